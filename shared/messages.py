@@ -168,6 +168,11 @@ class EngineStats(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     waiting: list[RequestSummary] = []
     drain_rate_rps: float = 0.0  # requests leaving the waiting queue per second
     config: dict[str, str] = {}  # effective scheduler knobs, for /v1/config
+    # resident memory of the scheduler and each worker ("scheduler", "worker0", ...)
+    process_rss_bytes: dict[str, int] = {}
+    process_peak_rss_bytes: dict[str, int] = {}
+    device_memory_peak_bytes: dict[str, int] = {}  # per worker, on a GPU
+    workers_ready: list[int] = []
 
 
 class EngineHealth(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
@@ -256,6 +261,17 @@ class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     sample_s: float = 0.0
 
 
+class WorkerHeartbeat(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """Sent every second from a side thread, also while a long forward runs."""
+
+    rank: int
+    pid: int
+    time: float
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
+    device_memory_peak_bytes: int = 0
+
+
 class WorkerError(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     rank: int
     message: str
@@ -270,7 +286,7 @@ class WorkerError(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 ToScheduler = AddRequest | AbortRequest | GatewayHeartbeat
 ToGateway = RequestDeltas | RequestRejected | EngineStats | EngineHealth
 ToWorker = StepPlan | Shutdown
-FromWorker = WorkerReady | StepResult | WorkerError
+FromWorker = WorkerReady | StepResult | WorkerHeartbeat | WorkerError
 AnyMessage = ToScheduler | ToGateway | ToWorker | FromWorker
 
 ENCODER = msgspec.msgpack.Encoder()

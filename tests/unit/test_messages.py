@@ -32,7 +32,7 @@ CASES: list[tuple[msgspec.Struct, msgspec.msgpack.Decoder]] = [
     (
         m.EngineStats(
             time=1.0, num_running=2, num_waiting=1, num_kv_blocks_total=10, num_kv_blocks_free=4, kv_usage=0.6,
-            num_running_by_priority={0: 2}, rejected_total={"queue_full": 3}, step_num_tokens=[5, 6],
+            num_running_by_priority={0: 2}, process_rss_bytes={"scheduler": 5}, rejected_total={"queue_full": 3}, step_num_tokens=[5, 6],
             running=[m.RequestSummary("r1", 0, 5, 2, 7, 0.5)], config={"max_num_seqs": "4"},
         ),
         m.to_gateway_decoder,
@@ -54,6 +54,7 @@ CASES: list[tuple[msgspec.Struct, msgspec.msgpack.Decoder]] = [
     (m.Shutdown("bye"), m.to_worker_decoder),
     (m.WorkerReady(rank=0, num_kv_blocks=100, block_size=16, model="x", pid=5), m.from_worker_decoder),
     (m.StepResult(step_id=3, rank=0, req_ids=["r1"], sampled_token_ids=[8], logprobs=[LP], forward_s=0.1), m.from_worker_decoder),
+    (m.WorkerHeartbeat(rank=0, pid=9, time=3.0, rss_bytes=100, peak_rss_bytes=200), m.from_worker_decoder),
     (m.WorkerError(rank=1, message="boom", step_id=3), m.from_worker_decoder),
 ]
 
