@@ -67,6 +67,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A gateway silent for this long has its requests aborted."""
     stats_interval_s: float = 0.25
     """How often EngineStats go to gateways."""
+    worker_heartbeat_timeout_s: float = 5.0
+    """A ready worker silent (no heartbeat, no result) for this long is declared dead."""
+    shutdown_grace_s: float = 10.0
+    """On SIGTERM: how long in-flight requests may run before the process stops anyway."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
