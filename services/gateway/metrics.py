@@ -1,0 +1,382 @@
+"""The gateway's Prometheus metrics: engine gauges and counters, request histograms.
+
+The scheduler sends ``EngineStats`` (cumulative totals, per-step samples, queue
+tables, process memory) a few times a second; the gateway's request handlers
+report each finished or rejected request. ``GatewayMetrics`` turns both into
+Prometheus series on its own ``CollectorRegistry`` (no process globals, so tests
+and several gateways in one process never collide) and keeps a short sliding
+window for the live dashboard.
+
+Names follow vLLM's under a ``ferry:`` prefix (``ferry:num_requests_running``,
+``ferry:time_to_first_token_seconds``...), with labels ``model_name`` and
+``engine`` like vLLM's. With ``vllm_compat=True`` every metric vLLM also has is
+exposed a second time under its exact ``vllm:`` name, so vLLM Grafana dashboards
+and load tools that scrape those names work unchanged. Counters are declared
+without ``_total``; prometheus_client appends it (``ferry:num_preemptions_total``).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics import MetricWrapperBase
+
+from services.gateway.metrics_window import EngineSample, FinishedSample, LiveWindow
+from shared.messages import EngineHealth, EngineStats, RequestTimings
+
+GATEWAY_PROCESS = "gateway"
+# Finish reasons shown as zero series from the start (others appear when they occur).
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Bucket edges follow vLLM's so quantiles line up when both are on one dashboard.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_STEP_SEQ_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_STEP_TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def _one_two_five_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's length buckets)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > limit:
+                return out
+            out.append(float(value))
+        scale *= 10
+
+
+@dataclass
+class RequestRecord:
+    """One finished request as the gateway saw it, plus the scheduler's timings."""
+
+    req_id: str
+    priority: int
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+    token_times: list[float]  # wall time each token batch arrived at the gateway
+    timings: RequestTimings | None  # the scheduler's view (queue, prefill, decode)
+    max_tokens: int | None = None  # the request's max_tokens, when it set one
+    n: int = 1  # choices asked for
+
+
+class _Fan:
+    """One logical metric exposed under one or more prefixes, with fixed base labels."""
+
+    def __init__(self, metrics: list[MetricWrapperBase], base: dict[str, str]) -> None:
+        self._metrics = metrics
+        self._base = base
+
+    def _children(self, labels: dict[str, str]) -> list[Any]:
+        return [m.labels(**self._base, **labels) for m in self._metrics]
+
+    def set(self, value: float, **labels: str) -> None:
+        for child in self._children(labels):
+            child.set(value)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        children = self._children(labels)  # creates the series even for a zero increase
+        if amount <= 0:
+            return
+        for child in children:
+            child.inc(amount)
+
+    def observe(self, value: float, **labels: str) -> None:
+        for child in self._children(labels):
+            child.observe(value)
+
+    def remove(self, **labels: str) -> None:
+        values = [*self._base.values(), *labels.values()]
+        for metric in self._metrics:
+            try:
+                metric.remove(*values)
+            except KeyError:
+                pass
+
+
+class GatewayMetrics:
+    """All of one gateway's metrics, on a private registry."""
+
+    def __init__(
+        self,
+        model_name: str,
+        vllm_compat: bool = False,
+        *,
+        engine: str = "0",
+        max_model_len: int = 32768,
+        window_s: float = 60.0,
+        history_s: float = 300.0,
+    ) -> None:
+        self.model_name = model_name
+        self.vllm_compat = vllm_compat
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.window = LiveWindow(window_s=window_s, history_s=history_s)
+        self.last_stats: EngineStats | None = None
+        self.last_health: EngineHealth | None = None
+        self._base = {"model_name": model_name, "engine": engine}
+        self._last_totals: dict[str, int] = {}
+        self._seen_labels: dict[str, set[str]] = {}
+        self._own_process = psutil.Process(os.getpid())
+        self._declare(max_model_len)
+
+    # -- declaration ----------------------------------------------------------
+
+    def _fan(self, cls: type[MetricWrapperBase], name: str, doc: str, labels: tuple[str, ...] = (),
+             vllm: bool = True, ferry: bool = True, **kwargs: Any) -> _Fan:
+        prefixes = (["ferry"] if ferry else []) + (["vllm"] if vllm and self.vllm_compat else [])
+        labelnames = [*self._base, *labels]
+        made = [cls(f"{p}:{name}", doc, labelnames, registry=self.registry, **kwargs) for p in prefixes]
+        if not labels:
+            # Materialize the series now so scrapes show zeros (and rate() works)
+            # before the first stats or request arrive.
+            for metric in made:
+                metric.labels(**self._base)
+        return _Fan(made, self._base)
+
+    def _declare(self, max_model_len: int) -> None:
+        g, c, h = Gauge, Counter, Histogram
+        length = _one_two_five_buckets(max_model_len)
+        # Engine state (gauges from the latest EngineStats).
+        self.running = self._fan(g, "num_requests_running", "Requests in the running set.")
+        self.waiting = self._fan(g, "num_requests_waiting", "Requests in the waiting queue.")
+        self.kv_usage = self._fan(g, "kv_cache_usage_perc", "KV-cache usage, in-use blocks / total (1 = 100%).")
+        self.running_prio = self._fan(g, "num_requests_running_by_priority", "Running requests per priority.",
+                                      ("priority",), vllm=False)
+        self.waiting_prio = self._fan(g, "num_requests_waiting_by_priority", "Waiting requests per priority.",
+                                      ("priority",), vllm=False)
+        self.kv_blocks = self._fan(g, "num_kv_blocks", "KV blocks the engine has.", vllm=False)
+        self.kv_blocks_free = self._fan(g, "num_kv_blocks_free", "KV blocks free or cached-unreferenced.",
+                                        vllm=False)
+        self.drain_rate = self._fan(g, "queue_drain_rate", "Requests leaving the waiting queue per second.",
+                                    vllm=False)
+        self.rss = self._fan(g, "process_resident_memory_bytes", "Resident memory of each ferry process.",
+                             ("process",), vllm=False)
+        self.peak_rss = self._fan(g, "process_peak_resident_memory_bytes",
+                                  "Peak resident memory of each ferry process.", ("process",), vllm=False)
+        self.device_peak = self._fan(g, "device_memory_peak_bytes", "Peak accelerator memory per worker.",
+                                     ("process",), vllm=False)
+        self.workers_ready = self._fan(g, "num_workers_ready", "Worker ranks that are up.", vllm=False)
+        self.scheduler_ready = self._fan(g, "scheduler_ready", "1 when the scheduler reports ready.",
+                                         vllm=False)
+        self.stats_time = self._fan(g, "engine_stats_timestamp_seconds",
+                                    "Wall time of the latest EngineStats (staleness = time() - this).",
+                                    vllm=False)
+        # Engine counters (deltas of the scheduler's cumulative totals).
+        self.preemptions = self._fan(c, "num_preemptions", "Requests preempted by the scheduler.")
+        self.prefix_queries = self._fan(c, "prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = self._fan(c, "prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.prompt_tokens = self._fan(c, "prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = self._fan(c, "generation_tokens", "Generation tokens processed.")
+        self.steps = self._fan(c, "engine_steps", "Scheduler steps run.", vllm=False)
+        self.worker_restarts = self._fan(c, "worker_restarts", "Worker processes restarted.", vllm=False)
+        # Per-step histograms (from the samples in each EngineStats).
+        self.step_tokens = self._fan(h, "iteration_tokens_total", "Tokens per engine step.",
+                                     buckets=_STEP_TOKEN_BUCKETS)
+        self.step_seqs = self._fan(h, "iteration_num_seqs", "Sequences per engine step.", vllm=False,
+                                   buckets=_STEP_SEQ_BUCKETS)
+        self.step_time = self._fan(h, "iteration_duration_seconds", "Wall time of one engine step.",
+                                   vllm=False, buckets=_STEP_TIME_BUCKETS)
+        # Requests, as the gateway saw them.
+        self.success = self._fan(c, "request_success", "Finished requests by finish reason.",
+                                 ("finished_reason",))
+        for reason in FINISH_REASONS:
+            self.success.inc(0, finished_reason=reason)
+        self.rejected = self._fan(c, "request_rejected", "Requests refused by the gateway, by reason.",
+                                  ("reason", "status"), vllm=False)
+        self.cached_tokens = self._fan(c, "prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
+                                       vllm=False)
+        self.ttft = self._fan(h, "time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS)
+        self.itl = self._fan(h, "inter_token_latency_seconds", "Time between token batches.",
+                             buckets=_ITL_BUCKETS)
+        self.tpot = self._fan(h, "request_time_per_output_token_seconds", "Decode time per output token.",
+                              buckets=_ITL_BUCKETS)
+        self.tpot_legacy = self._fan(h, "time_per_output_token_seconds", "Deprecated vLLM name of the TPOT.",
+                                     ferry=False, buckets=_ITL_BUCKETS)
+        self.e2e = self._fan(h, "e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=_REQUEST_BUCKETS)
+        self.queue = self._fan(h, "request_queue_time_seconds", "Time in the waiting queue.",
+                               buckets=_REQUEST_BUCKETS)
+        self.inference = self._fan(h, "request_inference_time_seconds", "Time in the running set.",
+                                   buckets=_REQUEST_BUCKETS)
+        self.prefill = self._fan(h, "request_prefill_time_seconds", "First scheduled to first token.",
+                                 buckets=_REQUEST_BUCKETS)
+        self.decode = self._fan(h, "request_decode_time_seconds", "First token to finish.",
+                                buckets=_REQUEST_BUCKETS)
+        self.req_prompt = self._fan(h, "request_prompt_tokens", "Prompt length per request.", buckets=length)
+        self.req_output = self._fan(h, "request_generation_tokens", "Output length per request.",
+                                    buckets=length)
+        self.req_max_gen = self._fan(h, "request_max_num_generation_tokens", "Generated tokens of the longest"
+                                     " choice per request.", buckets=length)
+        self.req_max_tokens = self._fan(h, "request_params_max_tokens", "The max_tokens parameter.",
+                                        buckets=length)
+        self.req_n = self._fan(h, "request_params_n", "The n parameter.", buckets=_N_BUCKETS)
+        self.req_preemptions = self._fan(h, "request_num_preemptions", "Times one request was preempted.",
+                                         vllm=False, buckets=[0, 1, 2, 4, 8, 16])
+
+    # -- engine side ----------------------------------------------------------
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        """Update gauges and counters from one EngineStats and observe its step samples."""
+        self.last_stats = stats
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_blocks.set(stats.num_kv_blocks_total)
+        self.kv_blocks_free.set(stats.num_kv_blocks_free)
+        self.drain_rate.set(stats.drain_rate_rps)
+        self.workers_ready.set(len(stats.workers_ready))
+        self.stats_time.set(stats.time)
+        self._set_labelled(self.running_prio, "priority",
+                           {str(k): v for k, v in stats.num_running_by_priority.items()}, absent=0.0)
+        self._set_labelled(self.waiting_prio, "priority",
+                           {str(k): v for k, v in stats.num_waiting_by_priority.items()}, absent=0.0)
+        self._count(self.preemptions, "preemptions", stats.num_preemptions_total)
+        self._count(self.prefix_queries, "prefix_queries", stats.prefix_cache_queries_total)
+        self._count(self.prefix_hits, "prefix_hits", stats.prefix_cache_hits_total)
+        self._count(self.prompt_tokens, "prompt_tokens", stats.prompt_tokens_total)
+        self._count(self.generation_tokens, "generation_tokens", stats.generation_tokens_total)
+        self._count(self.steps, "steps", stats.steps_total)
+        self._count(self.worker_restarts, "worker_restarts", stats.worker_restarts_total)
+        for num_tokens in stats.step_num_tokens:
+            self.step_tokens.observe(num_tokens)
+        for num_seqs in stats.step_num_seqs:
+            self.step_seqs.observe(num_seqs)
+        for duration in stats.step_duration_s:
+            self.step_time.observe(duration)
+        self._set_labelled(self.rss, "process", stats.process_rss_bytes, absent=None)
+        self._set_labelled(self.peak_rss, "process", stats.process_peak_rss_bytes, absent=None)
+        self._set_labelled(self.device_peak, "process", stats.device_memory_peak_bytes, absent=None)
+        self._update_own_memory()
+        self.window.add_engine(EngineSample(
+            time=stats.time, num_running=stats.num_running, num_waiting=stats.num_waiting,
+            kv_usage=stats.kv_usage, num_preemptions_total=stats.num_preemptions_total,
+            generation_tokens_total=stats.generation_tokens_total,
+            prompt_tokens_total=stats.prompt_tokens_total,
+        ))
+
+    def on_engine_health(self, health: EngineHealth) -> None:
+        self.last_health = health
+        self.scheduler_ready.set(1.0 if health.scheduler_ready else 0.0)
+        self.workers_ready.set(len(health.workers_ready))
+
+    def _count(self, fan: _Fan, key: str, total: int) -> None:
+        """Advance a counter by the increase of a scheduler total.
+
+        A total below the previous one means the scheduler restarted and counts
+        from zero again, so the whole new total is the increase; our counter stays
+        monotonic either way.
+        """
+        last = self._last_totals.get(key)
+        self._last_totals[key] = total
+        if last is None or total < last:
+            fan.inc(total)
+        else:
+            fan.inc(total - last)
+
+    def _set_labelled(self, fan: _Fan, label: str, values: dict[str, int], absent: float | None) -> None:
+        """Set one series per label value; series that vanished go to ``absent`` (None: removed)."""
+        key = f"{id(fan)}:{label}"
+        previous = self._seen_labels.get(key, set())
+        for value_label, value in values.items():
+            fan.set(float(value), **{label: value_label})
+        for gone in previous - set(values):
+            if absent is None:
+                fan.remove(**{label: gone})
+            else:
+                fan.set(absent, **{label: gone})
+        if absent is None:
+            self._seen_labels[key] = set(values)
+        else:
+            self._seen_labels[key] = previous | set(values)
+
+    def _update_own_memory(self) -> None:
+        rss = self._own_process.memory_info().rss
+        # ru_maxrss is KiB on Linux, bytes on macOS.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak if sys.platform == "darwin" else peak * 1024
+        self.rss.set(float(rss), process=GATEWAY_PROCESS)
+        self.peak_rss.set(float(max(peak, rss)), process=GATEWAY_PROCESS)
+
+    # -- request side ---------------------------------------------------------
+
+    def on_request_finished(self, rec: RequestRecord) -> None:
+        """Observe one finished request's latencies, lengths and finish reason."""
+        self.success.inc(1, finished_reason=rec.finish_reason)
+        self.cached_tokens.inc(rec.num_cached_tokens)
+        self.req_prompt.observe(rec.num_prompt_tokens)
+        self.req_output.observe(rec.num_output_tokens)
+        self.req_max_gen.observe(rec.num_output_tokens)
+        self.req_n.observe(rec.n)
+        if rec.max_tokens is not None:
+            self.req_max_tokens.observe(rec.max_tokens)
+        e2e = max(0.0, rec.finished_time - rec.arrival_time)
+        self.e2e.observe(e2e)
+        ttft = None
+        if rec.first_token_time is not None:
+            ttft = max(0.0, rec.first_token_time - rec.arrival_time)
+            self.ttft.observe(ttft)
+        for prev, cur in zip(rec.token_times, rec.token_times[1:], strict=False):
+            self.itl.observe(max(0.0, cur - prev))
+        if rec.first_token_time is not None and rec.num_output_tokens > 1:
+            tpot = max(0.0, rec.finished_time - rec.first_token_time) / (rec.num_output_tokens - 1)
+            self.tpot.observe(tpot)
+            self.tpot_legacy.observe(tpot)
+        queue = self._observe_phases(rec.timings)
+        self.window.add_finished(FinishedSample(
+            finished_time=rec.finished_time, ttft_s=ttft, queue_s=queue, e2e_s=e2e,
+            num_output_tokens=rec.num_output_tokens, finish_reason=rec.finish_reason,
+        ))
+
+    def _observe_phases(self, t: RequestTimings | None) -> float | None:
+        """Queue, prefill, decode and inference times from the scheduler's timings."""
+        if t is None or t.first_scheduled_time is None:
+            return None
+        queue = max(0.0, t.first_scheduled_time - t.arrival_time)
+        self.queue.observe(queue)
+        self.req_preemptions.observe(t.num_preemptions)
+        if t.first_token_time is not None:
+            self.prefill.observe(max(0.0, t.first_token_time - t.first_scheduled_time))
+            if t.finished_time is not None:
+                self.decode.observe(max(0.0, t.finished_time - t.first_token_time))
+        if t.finished_time is not None:
+            self.inference.observe(max(0.0, t.finished_time - t.first_scheduled_time))
+        return queue
+
+    def on_rejected(self, reason: str, status: int) -> None:
+        """Count a request the gateway refused (auth, validation, rate limit, queue full...)."""
+        self.rejected.inc(1, reason=reason, status=str(status))
+        self.window.add_rejected(time.time())
+
+    # -- exposition -----------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type, for GET /metrics."""
+        self._update_own_memory()
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
