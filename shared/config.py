@@ -95,6 +95,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     result_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/result.sock"
     cache_dir: str = ""
     """Where converted GGUF models are cached ('': ~/.cache/ferry)."""
+    max_num_batched_tokens: int = 2048
+    """On a GPU: the step token budget the activation peak is profiled at (the scheduler's knob)."""
+    max_num_seqs: int = 128
+    """On a GPU: the sampling rows the activation peak is profiled with (the scheduler's knob)."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,229 @@
+"""The model runner: one ``StepPlan`` in, one forward over all scheduled tokens, one ``StepResult`` out.
+
+``ModelRunner(config)`` loads the model, sizes and allocates the KV cache, and
+keeps the persistent batch state. ``execute(plan)``:
+
+1. applies the plan's differences to the batch state;
+2. packs the scheduled tokens of every request on one axis with their
+   positions (``num_computed_tokens`` onwards) and KV slots;
+3. runs transformers' model body once with ``ferry_meta`` (see attention.py);
+4. gathers the hidden state of the last scheduled token of each request that
+   samples this step (its chunk reaches the end of its tokens) and applies the
+   LM head to those rows only;
+5. samples, appends each sampled token to its request, and returns them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.config import WorkerConfig
+from shared.messages import StepPlan, StepResult
+
+from .attention import AttentionMetadata, PrefillSpan
+from .batch import BatchState, RequestState
+from .kv_cache import KVCache, num_blocks_for_budget
+from .loader import load_model
+from .sampler import Sampler
+
+log = logging.getLogger("ferry.worker.runner")
+
+
+def set_num_threads(num_threads: int) -> int:
+    """torch intra-op threads; 0 means every core this process may run on."""
+    n = num_threads if num_threads > 0 else len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
+
+
+@dataclass
+class PackedInputs:
+    input_ids: torch.Tensor  # [1, num_tokens]
+    positions: torch.Tensor  # [1, num_tokens]
+    meta: AttentionMetadata
+    sample_states: list[RequestState]
+    sample_token_idx: torch.Tensor  # [num_sampling] index of each sampling row's last token
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        loaded = load_model(config.model, config.dtype, config.device, config.cache_dir)
+        self.model = loaded.model
+        self.body = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        self.dtype = loaded.dtype
+        self.hf_config = loaded.hf_config
+        self.model_name = config.model
+        self.model_dir = loaded.model_dir
+        self.load_s = loaded.load_s
+        self.vocab_size = int(loaded.config_dict["vocab_size"])
+        self.eos_token_ids = _eos_ids(loaded.config_dict, loaded.model.generation_config)
+        model_limit = int(loaded.config_dict.get("max_position_embeddings") or 0) or 1 << 20
+        self.max_model_len = min(config.max_model_len, model_limit) if config.max_model_len > 0 else model_limit
+        self.block_size = config.block_size
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = self._kv_budget(loaded.config_dict)
+        self.num_kv_blocks = num_blocks_for_budget(budget, loaded.config_dict, self.dtype, self.block_size)
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
+        self.kv = KVCache.allocate(loaded.config_dict, self.num_kv_blocks, self.block_size, self.dtype, config.device)
+        self.kv_cache_bytes = self.kv.nbytes
+        self.batch = BatchState(self.block_size)
+        self.sampler = Sampler(self.device)
+
+    def _kv_budget(self, config_dict: dict) -> int:
+        if self.device.type != "cuda":
+            return self.config.kv_cache_memory
+        # GPU: what gpu_memory_utilization leaves after the weights and a profiled activation peak.
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run(config_dict)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        log.info("cuda: total %d, weights+activation peak %d, KV budget %d bytes", total, peak, budget)
+        return max(0, budget)
+
+    def _profile_run(self, config_dict: dict) -> None:
+        """A forward at the step token budget with a one-block scratch cache, for the activation peak."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        scratch = KVCache.allocate(config_dict, blocks, self.block_size, self.dtype, self.config.device)
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device).unsqueeze(0)
+        meta = AttentionMetadata(scratch.caches, pos[0].clone(), prefills=[PrefillSpan(0, n, 0, None, None)])
+        with torch.inference_mode():
+            hidden = self.body(input_ids=ids, position_ids=pos, use_cache=False, ferry_meta=meta).last_hidden_state
+            self.lm_head(hidden[0, -min(n, self.config.max_num_seqs) :])
+        del scratch
+        torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.batch.apply(plan)
+        if not plan.num_scheduled_tokens:
+            return StepResult(step_id=plan.step_id, rank=self.config.rank)
+        t0 = time.perf_counter()
+        packed = self._pack(plan)
+        with torch.inference_mode():
+            out = self.body(
+                input_ids=packed.input_ids, position_ids=packed.positions, use_cache=False, ferry_meta=packed.meta
+            )
+            logits = None
+            if packed.sample_states:
+                hidden = out.last_hidden_state[0].index_select(0, packed.sample_token_idx)
+                logits = self.lm_head(hidden)  # [num_sampling, vocab]
+        t1 = time.perf_counter()
+        for req_id, num in plan.num_scheduled_tokens.items():
+            self.batch.requests[req_id].num_computed_tokens += num
+        states = packed.sample_states
+        if logits is None:
+            return StepResult(step_id=plan.step_id, rank=self.config.rank, forward_s=t1 - t0)
+        with torch.inference_mode():
+            tokens, logprobs = self.sampler(
+                logits,
+                [s.sampling for s in states],
+                [s.token_ids for s in states],
+                [s.output_counts for s in states],
+                [s.num_output_tokens for s in states],
+            )
+        for state, token in zip(states, tokens, strict=True):
+            state.append_token(token)
+        t2 = time.perf_counter()
+        return StepResult(
+            step_id=plan.step_id,
+            rank=self.config.rank,
+            req_ids=[s.req_id for s in states],
+            sampled_token_ids=tokens,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
+            forward_s=t1 - t0,
+            sample_s=t2 - t1,
+        )
+
+    def _pack(self, plan: StepPlan) -> PackedInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        decode_idx: list[int] = []
+        decode_states: list[RequestState] = []
+        prefills: list[PrefillSpan] = []
+        sample_states: list[RequestState] = []
+        sample_idx: list[int] = []
+        for req_id, num in plan.num_scheduled_tokens.items():
+            state = self.batch.requests[req_id]
+            start = state.num_computed_tokens
+            end = start + num
+            offset = len(ids)
+            ids.extend(state.token_ids[start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(state.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if num == 1:
+                decode_idx.append(offset)
+                decode_states.append(state)
+            else:
+                prefills.append(self._prefill_span(state, offset, start, end))
+            if end == state.num_tokens:
+                sample_states.append(state)
+                sample_idx.append(offset + num - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            kv_caches=self.kv.caches,
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            prefills=prefills,
+        )
+        if decode_states:
+            self._decode_metadata(meta, decode_idx, decode_states)
+        return PackedInputs(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).unsqueeze(0).to(dev),
+            meta=meta,
+            sample_states=sample_states,
+            sample_token_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
+        )
+
+    def _prefill_span(self, state: RequestState, offset: int, start: int, end: int) -> PrefillSpan:
+        if start == 0:
+            return PrefillSpan(offset, offset + end - start, 0, None, None)
+        ctx = end
+        num_blocks = -(-ctx // self.block_size)
+        block_ids = torch.tensor(state.block_ids[:num_blocks], dtype=torch.long, device=self.device)
+        # Query i sits at position start + i and sees keys 0..start + i.
+        q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=self.device).unsqueeze(0) <= q_pos
+        return PrefillSpan(offset, offset + end - start, start, block_ids, mask)
+
+    def _decode_metadata(self, meta: AttentionMetadata, idx: list[int], states: Sequence[RequestState]) -> None:
+        bs = self.block_size
+        ctx_lens = np.array([s.num_computed_tokens + 1 for s in states], dtype=np.int64)
+        blocks_per = -(-ctx_lens // bs)
+        max_blocks = int(blocks_per.max())
+        table = np.zeros((len(states), max_blocks), dtype=np.int64)
+        for i, s in enumerate(states):
+            table[i, : blocks_per[i]] = s.block_ids[: blocks_per[i]]
+        valid = np.arange(max_blocks * bs)[None, :] < ctx_lens[:, None]
+        dev = self.device
+        meta.decode_token_idx = torch.tensor(idx, dtype=torch.long, device=dev)
+        meta.decode_block_table = torch.from_numpy(table).to(dev)
+        meta.decode_mask = torch.from_numpy(valid).to(dev).view(len(states), 1, 1, -1)
+
+
+def _eos_ids(config_dict: dict, generation_config: object) -> list[int]:
+    ids: list[int] = []
+    for source in (getattr(generation_config, "eos_token_id", None), config_dict.get("eos_token_id")):
+        if source is None:
+            continue
+        for t in source if isinstance(source, list) else [source]:
+            if int(t) not in ids:
+                ids.append(int(t))
+    return ids

@@ -1,0 +1,137 @@
+"""The worker process: receive step plans, run them, send results back.
+
+Start-up order matters: the SUB socket for plans connects *before* the slow
+model load, so the subscription is in place long before the scheduler's first
+plan (ZeroMQ's slow-joiner problem would otherwise drop it). Then the model
+loads, ``WorkerReady`` goes out, and a side thread with its own PUSH socket
+sends a ``WorkerHeartbeat`` every second, also while a long forward runs.
+
+Exit codes: 0 after a ``Shutdown`` (or when the parent process is gone), 1 when
+loading or a step fails (a ``WorkerError`` with ``fatal=True`` is sent first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import threading
+import time
+import traceback
+
+import msgspec
+import psutil
+import torch
+import zmq
+
+from shared.config import WorkerConfig, add_config_args, config_as_dict, config_from_args
+from shared.messages import (
+    Shutdown,
+    StepPlan,
+    WorkerError,
+    WorkerHeartbeat,
+    WorkerReady,
+    encode,
+    to_worker_decoder,
+)
+from shared.transport import connect
+
+from .runner import ModelRunner, set_num_threads
+
+log = logging.getLogger("ferry.worker")
+
+HEARTBEAT_INTERVAL_S = 1.0
+POLL_MS = 1000  # how often an idle worker checks that its parent is still alive
+SEND_LINGER_MS = 2000  # let the last message (error, ready) leave before the process exits
+
+
+def _heartbeat(config: WorkerConfig, ctx: zmq.Context, stop: threading.Event) -> None:
+    sock = connect(ctx, zmq.PUSH, config.result_endpoint)
+    proc = psutil.Process()
+    cuda = config.device.startswith("cuda")
+    try:
+        while not stop.wait(HEARTBEAT_INTERVAL_S):
+            beat = WorkerHeartbeat(
+                rank=config.rank,
+                pid=os.getpid(),
+                time=time.time(),
+                rss_bytes=proc.memory_info().rss,
+                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                device_memory_peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
+            )
+            sock.send(encode(beat))
+    finally:
+        sock.close()
+
+
+def _fail(sock: zmq.Socket, config: WorkerConfig, message: str, step_id: int | None) -> int:
+    log.error("fatal: %s", message)
+    sock.send(encode(WorkerError(rank=config.rank, message=message[-4000:], step_id=step_id, fatal=True)))
+    sock.close(linger=SEND_LINGER_MS)
+    return 1
+
+
+def serve(config: WorkerConfig) -> int:
+    log.info("worker config: %s", config_as_dict(config))
+    threads = set_num_threads(config.num_threads)
+    log.info("torch threads: %d", threads)
+    ctx = zmq.Context()
+    plans = connect(ctx, zmq.SUB, config.plan_endpoint, SUBSCRIBE=b"")
+    results = connect(ctx, zmq.PUSH, config.result_endpoint)
+    parent = os.getppid()
+    try:
+        runner = ModelRunner(config)
+    except Exception as exc:  # noqa: BLE001 - any load failure is reported, then fatal
+        return _fail(results, config, f"load failed: {exc!r}", None)
+    log.info(
+        "ready: %s in %.1fs, %d KV blocks of %d (%d bytes), weights %d bytes, dtype %s",
+        runner.model_dir, runner.load_s, runner.num_kv_blocks, runner.block_size,
+        runner.kv_cache_bytes, runner.weight_bytes, runner.dtype,
+    )
+    results.send(encode(WorkerReady(
+        rank=config.rank, num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size,
+        model=runner.model_name, max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
+        pid=os.getpid(), kv_cache_bytes=runner.kv_cache_bytes, weight_bytes=runner.weight_bytes,
+    )))
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(config, ctx, stop), name="heartbeat", daemon=True)
+    beat.start()
+    try:
+        return _loop(runner, plans, results, config, parent)
+    finally:
+        stop.set()
+        beat.join(timeout=2 * HEARTBEAT_INTERVAL_S)
+
+
+def _loop(runner: ModelRunner, plans: zmq.Socket, results: zmq.Socket, config: WorkerConfig, parent: int) -> int:
+    while True:
+        if not plans.poll(POLL_MS):
+            if os.getppid() != parent:
+                log.warning("parent process %d is gone; exiting", parent)
+                return 0
+            continue
+        try:
+            msg = to_worker_decoder.decode(plans.recv())
+        except msgspec.DecodeError as exc:
+            return _fail(results, config, f"undecodable message: {exc}", None)
+        if isinstance(msg, Shutdown):
+            log.info("shutdown: %s", msg.reason or "requested")
+            results.close(linger=SEND_LINGER_MS)
+            return 0
+        assert isinstance(msg, StepPlan)
+        try:
+            result = runner.execute(msg)
+        except Exception:  # noqa: BLE001 - a failed step is fatal for this worker
+            return _fail(results, config, f"step {msg.step_id} failed:\n{traceback.format_exc()}", msg.step_id)
+        results.send(encode(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.worker", description="a ferry model worker rank")
+    add_config_args(parser, WorkerConfig)
+    config = config_from_args(WorkerConfig, parser.parse_args(argv))
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s"
+    )
+    return serve(config)
