@@ -84,7 +84,7 @@ def decode_ceiling_tok_s(device: Device, weights: int, kv_per_token: int, batch:
 
 def plan_device(config: dict[str, Any], device: Device, opts: PlanOptions, throughput: float | None) -> dict[str, Any]:
     """One row of the plan: every number for one device."""
-    dtype = capacity.resolve_dtype(opts.dtype, config, device.kind)
+    dtype = capacity.resolve_dtype(opts.dtype, device.kind)
     kv_dtype = capacity.resolve_kv_dtype(opts.kv_cache_dtype, dtype)
     mem = _memory_side(config, device, opts, dtype)
     kv_per_token = capacity.kv_bytes_per_token(config, kv_dtype)
@@ -182,7 +182,8 @@ def render_markdown(model: PlannedModel, rows: list[dict[str, Any]], opts: PlanO
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferry plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="local HF folder, GGUF file or built-in name")
-    p.add_argument("--dtype", default="auto", help="weights/activations: auto, bfloat16, float16, float32")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="weights and activations (auto: bfloat16 on GPUs, float32 on CPU, as the worker)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES, help="auto: same as --dtype")
     p.add_argument("--max-model-len", type=int, default=0, help="longest prompt+output (0: the model's limit)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences expected to run at once")
@@ -211,8 +212,6 @@ def options_from_args(args: argparse.Namespace, model: PlannedModel) -> PlanOpti
         raise ValueError("--block-size, --prompt-len and --max-num-batched-tokens must be positive, --output-len >= 0")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1] (got {args.gpu_memory_utilization})")
-    if args.dtype != "auto":
-        capacity.normalize_dtype(args.dtype)
     margin = float(args.safety_margin) if _is_number(args.safety_margin) else parse_bytes(args.safety_margin)
     if margin < 0:
         raise ValueError("--safety-margin must not be negative")

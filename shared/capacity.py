@@ -49,19 +49,12 @@ def normalize_dtype(name: str) -> str:
     return key
 
 
-def resolve_dtype(dtype: str, config: Mapping[str, Any], device: str) -> str:
-    """The weight/activation dtype 'auto' means: float32 on CPU, else the config's dtype
-    (bfloat16 when the config names none or a quantized one)."""
+def resolve_dtype(dtype: str, device: str) -> str:
+    """What 'auto' means, as the worker's loader decides it: float32 on a CPU (bfloat16
+    matmuls are slow there), bfloat16 on a GPU."""
     if dtype != "auto":
         return normalize_dtype(dtype)
-    if device.startswith("cpu"):
-        return "float32"
-    named = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    try:
-        resolved = normalize_dtype(named)
-    except ValueError:
-        return "bfloat16"
-    return resolved if resolved != "fp8" else "bfloat16"
+    return "float32" if device.startswith("cpu") else "bfloat16"
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
