@@ -1,0 +1,178 @@
+"""``ferry plan``: rows computed by hand, device parsing, warnings, errors, output formats."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ferry_cli import plan
+from ferry_cli.plan_devices import (
+    BUILTIN_DEVICES,
+    GIB,
+    MIB,
+    parse_bytes,
+    parse_device,
+    parse_devices,
+    with_prices,
+)
+from shared import capacity as cap
+from tests.unit.test_capacity import LLAMA2_7B, LLAMA3_8B
+
+H100 = parse_device("h100")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_model(tmp_path: Path, config: dict) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[dict], str]:
+    rc = plan.main([*argv, "--json"])
+    out = capsys.readouterr()
+    return rc, (json.loads(out.out) if rc == 0 else []), out.err
+
+
+def test_llama3_8b_on_h100_by_hand() -> None:
+    opts = plan.PlanOptions(max_model_len=8192, concurrency=32, prompt_len=1024, output_len=512)
+    row = plan.plan_device(LLAMA3_8B, H100, opts, throughput=2000.0)
+    weights = 2 * 8_030_261_248
+    activations = cap.activation_peak_bytes(LLAMA3_8B, "bfloat16", 2048, 32)
+    budget = int(81559 * MIB * 0.9) - weights - activations - GIB
+    assert row["weight_bytes"] == weights
+    assert row["kv_budget_bytes"] == budget
+    assert row["kv_bytes_per_token"] == 131_072
+    assert row["kv_blocks"] == budget // (131_072 * 16)
+    assert row["max_concurrency_at_max_model_len"] == row["kv_blocks"] // 512
+    assert row["max_concurrency_at_typical"] == row["kv_blocks"] // 96
+    assert row["fits"] is (row["max_concurrency_at_max_model_len"] >= 32)
+    assert row["headroom_bytes"] == budget - 32 * 512 * 131_072 * 16
+    assert row["usd_per_million_output_tokens"] == pytest.approx(2.50 / (2000 * 3600) * 1e6)
+    assert row["throughput_source"] == "given"
+
+
+def test_fp8_kv_doubles_the_blocks() -> None:
+    opts = plan.PlanOptions(max_model_len=4096, concurrency=1)
+    bf16 = plan.plan_device(LLAMA2_7B, H100, opts, None)
+    fp8 = plan.plan_device(LLAMA2_7B, H100, plan.PlanOptions(max_model_len=4096, kv_cache_dtype="fp8"), None)
+    assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"] == 524_288
+    assert fp8["kv_blocks"] in (2 * bf16["kv_blocks"], 2 * bf16["kv_blocks"] + 1)
+
+
+def test_cpu_budget_is_exactly_the_bytes_given() -> None:
+    device = parse_device("cpu:1GiB")
+    assert device.memory_bytes == 1 << 30
+    row = plan.plan_device(LLAMA3_8B, device, plan.PlanOptions(max_model_len=8192), None)
+    # auto on CPU is float32 (as the worker), so a KV token is 256 KiB and a block 4 MiB.
+    assert (row["dtype"], row["kv_cache_dtype"]) == ("float32", "float32")
+    assert row["kv_budget_bytes"] == 1 << 30
+    assert row["kv_blocks"] == 256
+    assert row["max_concurrency_at_max_model_len"] == 0
+    assert row["usd_per_million_output_tokens"] is None
+
+
+def test_model_larger_than_the_device() -> None:
+    big = {**LLAMA3_8B, "num_hidden_layers": 320}  # ~75B parameters, 150 GB in bf16
+    row = plan.plan_device(big, parse_device("rtx5090"), plan.PlanOptions(max_model_len=8192), None)
+    assert row["weights_fit"] is False and row["fits"] is False
+    assert row["kv_blocks"] == 0 and row["headroom_bytes"] < 0
+    assert "does not fit at all" in row["warnings"][0]
+
+
+def test_max_model_len_larger_than_memory() -> None:
+    row = plan.plan_device(LLAMA3_8B, parse_device("cpu:64MiB"), plan.PlanOptions(max_model_len=8192), None)
+    assert row["kv_blocks"] == 16 and row["kv_tokens"] == 256
+    assert row["max_concurrency_at_max_model_len"] == 0
+    assert "cannot be held by even one sequence" in row["warnings"][0]
+
+
+def test_concurrency_beyond_capacity_warns_of_preemption() -> None:
+    opts = plan.PlanOptions(max_model_len=8192, concurrency=64, prompt_len=512, output_len=256)
+    row = plan.plan_device(LLAMA3_8B, parse_device("cpu:8GiB"), opts, None)
+    assert row["max_concurrency_at_max_model_len"] == 4  # 2048 blocks of 4 MiB, 512 per sequence
+    assert row["max_concurrency_at_typical"] == 42  # 48 blocks per 768-token sequence
+    assert row["fits"] is False
+    assert "will force preemption even at the typical length" in row["warnings"][0]
+
+
+def test_device_parsing() -> None:
+    assert parse_bytes("8GiB") == 8 << 30 and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1024") == 1024
+    assert parse_device("custom:L40S:48").memory_bytes == 48 * GIB
+    assert [d.name for d in parse_devices([])] == [d.name for d in BUILTIN_DEVICES]
+    assert [d.name for d in parse_devices(["h200,cpu:1G", "b200"])] == ["H200-141GB", "cpu:1073741824", "B200-180GB"]
+    with pytest.raises(ValueError, match="unknown device"):
+        parse_device("tpu-v5")
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
+
+
+def test_price_overrides() -> None:
+    devices = with_prices(parse_devices(["h100,custom:mine:24"]), ["H100=4", "mine=0.25"])
+    assert [d.usd_per_hour for d in devices] == [4.0, 0.25]
+    with pytest.raises(ValueError, match="no device named"):
+        with_prices(devices, ["a100=1"])
+
+
+def test_json_output_from_a_local_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = write_model(tmp_path, LLAMA3_8B)
+    rc, rows, err = run_json(["--model", model, "--concurrency", "8", "--devices", "h100,cpu:1GiB",
+                              "--throughput", "h100=1500"], capsys)
+    assert rc == 0 and [r["device"] for r in rows] == ["H100-SXM-80GB", "cpu:1073741824"]
+    for key in ("device", "weight_bytes", "kv_bytes_per_token", "kv_blocks", "max_concurrency_at_max_model_len", "fits"):
+        assert key in rows[0]
+    assert rows[0]["max_model_len"] == 8192  # the model's own limit by default
+    assert rows[0]["throughput_tok_s"] == 1500 and rows[1]["throughput_tok_s"] is None
+    assert "cannot be held by even one sequence" in err
+
+
+def test_markdown_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main(["--model", write_model(tmp_path, LLAMA2_7B), "--concurrency", "4"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| device"))
+    assert "KV blocks" in header and "max conc @max_len" in header and "$/M out tok" in header
+    assert sum(line.startswith("| ") for line in out.splitlines()) == 1 + len(BUILTIN_DEVICES)
+    assert "6,738,415,616 parameters" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--prompt-len", "8000", "--output-len", "1000"], "exceeds max_model_len 8192"),
+        (["--devices", "tpu"], "unknown device"),
+        (["--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    rc, _, err = run_json(["--model", write_model(tmp_path, LLAMA3_8B), *argv], capsys)
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_unknown_model_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_json(["--model", "no/such/model"], capsys)
+    assert rc == 2 and "never downloads models" in err
+
+
+def test_builtin_gguf_plan_never_imports_torch() -> None:
+    code = (
+        "import sys, json, io, contextlib\n"
+        "from ferry_cli.main import main\n"
+        "buf = io.StringIO()\n"
+        "with contextlib.redirect_stdout(buf):\n"
+        "    rc = main(['plan', '--model', 'smollm2-135m-instruct', '--devices', 'cpu:1GiB', '--json'])\n"
+        "print(json.dumps({'rc': rc, 'rows': json.loads(buf.getvalue()),"
+        " 'torch': 'torch' in sys.modules, 'transformers': 'transformers' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = json.loads(out.stdout)
+    assert result["rc"] == 0 and result["torch"] is False and result["transformers"] is False
+    row = result["rows"][0]
+    assert row["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # float32 on CPU
+    assert row["kv_blocks"] == (1 << 30) // (23_040 * 2 * 16)
+    assert row["weight_bytes"] == 134_515_008 * 4
