@@ -1,0 +1,129 @@
+"""docker-compose.yml cannot drift from the code: every ferry service's command and
+environment must be accepted by that service's own argument parser, every FERRY_*
+variable must name a real knob, and the topology keeps its promises (private
+network, only the gateway published, a GPU reservation in the gpu profile).
+
+No docker here: the file is parsed and checked against the parsers in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+NON_CONFIG_ENV = {"FERRY_LOG_LEVEL"}
+
+# module in the compose command -> (module holding the parser builder, its name)
+PARSERS = {
+    "services.scheduler": ("services.scheduler.__main__", "build_parser"),
+    "services.worker": ("services.worker.service", "build_parser"),
+    "services.gateway": ("services.gateway.__main__", "build_parser"),
+}
+
+_VAR = re.compile(r"\$\{(\w+)(?::?([-?])([^}]*))?\}")
+
+
+def interpolate(value: Any) -> str:
+    """Compose's ${VAR:-default} with an empty environment: the default, else ''."""
+    return _VAR.sub(lambda m: m.group(3) if m.group(2) == "-" else "", str(value))
+
+
+def load_compose() -> dict[str, Any]:
+    with open(COMPOSE) as f:
+        return yaml.safe_load(f)
+
+
+def ferry_services() -> list[tuple[str, dict[str, Any]]]:
+    services = load_compose()["services"]
+    return [(name, svc) for name, svc in services.items() if svc.get("command", [""])[0] in PARSERS]
+
+
+def build_parser(module: str, environ: dict[str, str]) -> argparse.ArgumentParser:
+    mod_name, func = PARSERS[module]
+    builder = getattr(importlib.import_module(mod_name), func)
+    parser: argparse.ArgumentParser = builder(environ)
+    return parser
+
+
+def test_every_core_service_is_present() -> None:
+    modules = {svc["command"][0] for _, svc in ferry_services()}
+    assert modules == set(PARSERS)
+    assert "redis" in load_compose()["services"]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in ferry_services()])
+def test_command_and_environment_accepted_by_the_service_parser(name: str) -> None:
+    svc = dict(ferry_services())[name]
+    env = {k: interpolate(v) for k, v in (svc.get("environment") or {}).items()}
+    module, *argv = svc["command"]
+    # Building the parser converts every FERRY_* default: a bad value raises here.
+    parser = build_parser(module, env)
+    args = parser.parse_args([interpolate(a) for a in argv])
+    known = {action.dest for action in parser._actions}
+    for key, value in env.items():
+        if not key.startswith("FERRY_") or key in NON_CONFIG_ENV:
+            continue
+        field = key[len("FERRY_"):].lower()
+        assert field in known, f"{name}: {key} is not a knob of {module}"
+        parsed = getattr(args, field)
+        if isinstance(parsed, bool):
+            assert parsed == (value.strip().lower() in ("1", "true", "yes", "on"))
+        elif isinstance(parsed, int | float):
+            assert parsed == type(parsed)(value), f"{name}: {key}={value!r} parsed as {parsed!r}"
+        else:
+            assert parsed == value
+
+
+def test_endpoints_meet_across_containers() -> None:
+    services = load_compose()["services"]
+    sched = {k: interpolate(v) for k, v in services["scheduler"]["environment"].items()}
+    gateway = {k: interpolate(v) for k, v in services["gateway"]["environment"].items()}
+    port = lambda ep: ep.rsplit(":", 1)[1]  # noqa: E731
+    assert gateway["FERRY_SCHEDULER_ENDPOINT"] == f"tcp://scheduler:{port(sched['FERRY_GATEWAY_ENDPOINT'])}"
+    for worker in ("worker", "worker-gpu"):
+        env = {k: interpolate(v) for k, v in services[worker]["environment"].items()}
+        assert env["FERRY_PLAN_ENDPOINT"] == f"tcp://scheduler:{port(sched['FERRY_PLAN_ENDPOINT'])}"
+        assert env["FERRY_RESULT_ENDPOINT"] == f"tcp://scheduler:{port(sched['FERRY_RESULT_ENDPOINT'])}"
+        assert env["FERRY_NUM_WORKERS"] == sched["FERRY_NUM_WORKERS"]
+        assert env["FERRY_BLOCK_SIZE"] == sched["FERRY_BLOCK_SIZE"]
+
+
+def test_only_the_gateway_is_published_and_the_backend_is_private() -> None:
+    doc = load_compose()
+    published = [name for name, svc in doc["services"].items() if svc.get("ports")]
+    assert published == ["gateway"]
+    assert doc["networks"]["backend"]["internal"] is True
+    for name, svc in doc["services"].items():
+        assert "backend" in svc["networks"], name
+        if name != "gateway":
+            assert svc["networks"] == ["backend"], f"{name} must stay on the private network"
+    # Published on the host's loopback unless the operator says otherwise.
+    assert interpolate(doc["services"]["gateway"]["ports"][0]).startswith("127.0.0.1:")
+
+
+def test_health_checks_and_gpu_profile() -> None:
+    services = load_compose()["services"]
+    for name, svc in services.items():
+        assert svc.get("healthcheck", {}).get("test"), f"{name} has no health check"
+    gpu = services["worker-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 1 and "gpu" in devices[0]["capabilities"]
+    assert interpolate(gpu["environment"]["FERRY_DEVICE"]) == "cuda"
+    assert services["worker"]["profiles"] == ["cpu"]
+
+
+def test_dockerfile_runs_the_service_named_by_the_command() -> None:
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["python", "-m"]' in text
+    for _, svc in ferry_services():
+        module = svc["command"][0]
+        assert (ROOT / module.replace(".", "/") / "__main__.py").is_file(), module
