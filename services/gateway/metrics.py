@@ -316,13 +316,18 @@ class GatewayMetrics:
         else:
             self._seen_labels[key] = previous | set(values)
 
-    def _update_own_memory(self) -> None:
-        rss = self._own_process.memory_info().rss
+    def own_memory(self) -> tuple[int, int]:
+        """This gateway process's resident and peak resident memory, in bytes."""
+        rss = int(self._own_process.memory_info().rss)
         # ru_maxrss is KiB on Linux, bytes on macOS.
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak = peak if sys.platform == "darwin" else peak * 1024
+        return rss, max(int(peak), rss)
+
+    def _update_own_memory(self) -> None:
+        rss, peak = self.own_memory()
         self.rss.set(float(rss), process=GATEWAY_PROCESS)
-        self.peak_rss.set(float(max(peak, rss)), process=GATEWAY_PROCESS)
+        self.peak_rss.set(float(peak), process=GATEWAY_PROCESS)
 
     # -- request side ---------------------------------------------------------
 

@@ -1,0 +1,165 @@
+"""The live ops dashboard: ``/dashboard`` (page), its static files, and its data stream.
+
+The page is static HTML + JS (``static/dashboard.*``) that charts with the vendored
+uPlot library (``static/vendor/uplot``, no CDN). Data is pushed by the server over
+Server-Sent Events (``/dashboard/events``): one ``history`` event with the last
+minutes of engine samples when the page connects, then a ``snapshot`` event every
+``interval_s`` with the current numbers. ``/dashboard/data`` returns one snapshot
+as JSON for scripts and tests.
+
+Every number on the page comes from the same ``GatewayMetrics`` object that
+renders ``/metrics``, so the two agree (the dashboard lags by at most one push).
+The router adds no authentication; the gateway app decides who may see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+
+from services.gateway.metrics import GATEWAY_PROCESS, GatewayMetrics
+from shared.messages import EngineStats, RequestSummary
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+# Only these files are served: a fixed map, so no path from the URL touches the disk.
+STATIC_FILES: dict[str, tuple[str, str]] = {
+    "dashboard.js": ("dashboard.js", "text/javascript"),
+    "dashboard.css": ("dashboard.css", "text/css"),
+    "uPlot.iife.min.js": ("vendor/uplot/uPlot.iife.min.js", "text/javascript"),
+    "uPlot.min.css": ("vendor/uplot/uPlot.min.css", "text/css"),
+}
+# EngineStats older than this are shown as stale (the scheduler stopped reporting).
+STALE_AFTER_S = 5.0
+MAX_TABLE_ROWS = 50
+
+
+def _rows(summaries: list[RequestSummary]) -> list[dict[str, Any]]:
+    return [
+        {"req_id": s.req_id, "priority": s.priority, "num_prompt_tokens": s.num_prompt_tokens,
+         "num_output_tokens": s.num_output_tokens, "num_computed_tokens": s.num_computed_tokens,
+         "age_s": round(s.age_s, 3)}
+        for s in summaries[:MAX_TABLE_ROWS]
+    ]
+
+
+def _processes(stats: EngineStats | None, metrics: GatewayMetrics) -> list[dict[str, Any]]:
+    """Resident / peak memory per ferry process: the gateway's own plus what the scheduler sent."""
+    rss: dict[str, int] = dict(stats.process_rss_bytes) if stats else {}
+    peak: dict[str, int] = dict(stats.process_peak_rss_bytes) if stats else {}
+    device: dict[str, int] = dict(stats.device_memory_peak_bytes) if stats else {}
+    own = metrics.own_memory()
+    rss[GATEWAY_PROCESS], peak[GATEWAY_PROCESS] = own
+    names = [GATEWAY_PROCESS] + sorted(n for n in rss if n != GATEWAY_PROCESS)
+    return [{"name": n, "rss_bytes": rss.get(n), "peak_rss_bytes": peak.get(n),
+             "device_memory_peak_bytes": device.get(n)} for n in names]
+
+
+def _engine(stats: EngineStats | None, now: float) -> dict[str, Any]:
+    if stats is None:
+        return {"available": False, "stale": True, "num_running": None, "num_waiting": None}
+    hit_rate = (stats.prefix_cache_hits_total / stats.prefix_cache_queries_total
+                if stats.prefix_cache_queries_total else None)
+    age = max(0.0, now - stats.time)
+    return {
+        "available": True, "stats_time": stats.time, "stats_age_s": round(age, 3),
+        "stale": age > STALE_AFTER_S,
+        "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+        "kv_usage": stats.kv_usage, "num_kv_blocks_total": stats.num_kv_blocks_total,
+        "num_kv_blocks_free": stats.num_kv_blocks_free,
+        "num_preemptions_total": stats.num_preemptions_total,
+        "worker_restarts_total": stats.worker_restarts_total,
+        "prefix_cache_hit_rate": hit_rate, "drain_rate_rps": stats.drain_rate_rps,
+        "steps_total": stats.steps_total, "workers_ready": list(stats.workers_ready),
+        "running_by_priority": {str(k): v for k, v in sorted(stats.num_running_by_priority.items())},
+        "waiting_by_priority": {str(k): v for k, v in sorted(stats.num_waiting_by_priority.items())},
+    }
+
+
+def _state(state: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return dict(state())
+    except Exception as exc:  # the page must keep updating even when a health probe breaks
+        logger.warning("dashboard state() failed: %s", exc)
+        return {"health": {"gateway": {"status": "error", "detail": str(exc)}}, "config": {}}
+
+
+def dashboard_snapshot(metrics: GatewayMetrics, state: Callable[[], dict[str, Any]],
+                       now: float | None = None) -> dict[str, Any]:
+    """Everything the page shows at one instant, as plain JSON-able values."""
+    now = time.time() if now is None else now
+    stats = metrics.last_stats
+    extra = _state(state)
+    config: dict[str, Any] = dict(stats.config) if stats else {}
+    config.update(extra.get("config") or {})
+    return {
+        "time": now,
+        "model": metrics.model_name,
+        "engine": _engine(stats, now),
+        "window": metrics.window.summary(now),
+        "running": _rows(stats.running) if stats else [],
+        "waiting": _rows(stats.waiting) if stats else [],
+        "processes": _processes(stats, metrics),
+        "health": extra.get("health") or {},
+        "config": config,
+    }
+
+
+def history_points(metrics: GatewayMetrics, now: float | None = None) -> list[dict[str, Any]]:
+    """The chart's back-fill: at most one engine sample per second, oldest first."""
+    now = time.time() if now is None else now
+    by_second: dict[int, dict[str, Any]] = {}
+    for s in metrics.window.history():
+        if s.time <= now:
+            by_second[int(s.time)] = {"time": s.time, "num_running": s.num_running,
+                                      "num_waiting": s.num_waiting, "kv_usage": s.kv_usage}
+    return [by_second[k] for k in sorted(by_second)]
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n".encode()
+
+
+def make_dashboard_router(metrics: GatewayMetrics, state: Callable[[], dict[str, Any]],
+                          interval_s: float = 1.0) -> APIRouter:
+    """Routes for the page, its static files, one-shot data and the SSE stream."""
+    router = APIRouter(tags=["dashboard"])
+
+    @router.get("/dashboard", include_in_schema=False)
+    async def page() -> Response:
+        return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html",
+                            headers={"Cache-Control": "no-cache"})
+
+    @router.get("/dashboard/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        if name not in STATIC_FILES:
+            raise HTTPException(status_code=404, detail="no such file")
+        path, media_type = STATIC_FILES[name]
+        return FileResponse(STATIC_DIR / path, media_type=media_type)
+
+    @router.get("/dashboard/data")
+    async def data() -> JSONResponse:
+        return JSONResponse(json.loads(json.dumps(dashboard_snapshot(metrics, state), default=str)))
+
+    @router.get("/dashboard/events", include_in_schema=False)
+    async def events(request: Request) -> StreamingResponse:
+        async def stream() -> AsyncIterator[bytes]:
+            yield f"retry: {int(interval_s * 1000)}\n\n".encode()
+            yield _sse("history", {"interval_s": interval_s, "points": history_points(metrics)})
+            while not await request.is_disconnected():
+                yield _sse("snapshot", dashboard_snapshot(metrics, state))
+                await asyncio.sleep(interval_s)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return router

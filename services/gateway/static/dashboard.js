@@ -1,0 +1,187 @@
+// ferry dashboard: subscribes to the gateway's server-sent events and renders them.
+// The server pushes one "history" event on connect (back-fill for the charts) and a
+// "snapshot" event every second; this file only formats and draws, it computes nothing
+// that /metrics does not also expose.
+"use strict";
+(() => {
+  const HISTORY_S = 300; // the charts' x range: the last five minutes
+  const series = { t: [], running: [], waiting: [], kv: [], tps: [] };
+  const $ = (id) => document.getElementById(id);
+  let queueChart = null;
+  let kvChart = null;
+  let lastSnapshot = null;
+
+  // -- formatting ------------------------------------------------------------
+  const dash = "–";
+  const fmtInt = (v) => (v == null ? dash : String(Math.round(v)));
+  const fmtRate = (v) => (v == null ? dash : v >= 100 ? v.toFixed(0) : v.toFixed(2));
+  const fmtPct = (v) => (v == null ? dash : (v * 100).toFixed(1) + "%");
+  const fmtSec = (v) => (v == null ? dash : v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s");
+  const fmtBytes = (v) => {
+    if (v == null) return dash;
+    const mib = v / (1 << 20);
+    return mib >= 1024 ? (mib / 1024).toFixed(2) + " GiB" : mib.toFixed(0) + " MiB";
+  };
+  const setText = (id, text) => { const el = $(id); if (el) el.textContent = text; };
+
+  // -- charts ----------------------------------------------------------------
+  function chartWidth(el) { return Math.max(300, el.clientWidth - 4); }
+
+  function makeCharts() {
+    const qEl = $("queue-chart");
+    const kEl = $("kv-chart");
+    queueChart = new uPlot({
+      width: chartWidth(qEl), height: 220,
+      scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(4, max + 1)] } },
+      series: [{}, { label: "running", stroke: "#2563eb", width: 2 },
+                   { label: "waiting", stroke: "#f97316", width: 2 }],
+      axes: [{}, { label: "requests" }],
+    }, [[], [], []], qEl);
+    kvChart = new uPlot({
+      width: chartWidth(kEl), height: 220,
+      scales: { x: { time: true }, pct: { range: [0, 100] }, tps: { range: (u, min, max) => [0, Math.max(1, max * 1.1)] } },
+      series: [{}, { label: "KV usage %", stroke: "#7c3aed", width: 2, scale: "pct" },
+                   { label: "gen tok/s", stroke: "#059669", width: 2, scale: "tps", spanGaps: true }],
+      axes: [{}, { scale: "pct", label: "KV %" }, { scale: "tps", side: 1, label: "tok/s", grid: { show: false } }],
+    }, [[], [], []], kEl);
+    window.addEventListener("resize", () => {
+      queueChart.setSize({ width: chartWidth(qEl), height: 220 });
+      kvChart.setSize({ width: chartWidth(kEl), height: 220 });
+    });
+  }
+
+  function pushPoint(t, running, waiting, kv, tps) {
+    const n = series.t.length;
+    if (n && t <= series.t[n - 1]) return; // never draw backwards (history overlap)
+    series.t.push(t); series.running.push(running); series.waiting.push(waiting);
+    series.kv.push(kv == null ? null : kv * 100); series.tps.push(tps);
+    while (series.t.length && series.t[0] < t - HISTORY_S) {
+      for (const k of Object.keys(series)) series[k].shift();
+    }
+  }
+
+  function redraw() {
+    queueChart.setData([series.t, series.running, series.waiting]);
+    kvChart.setData([series.t, series.kv, series.tps]);
+    $("queue-chart").dataset.points = String(series.t.length);
+    $("kv-chart").dataset.points = String(series.t.length);
+  }
+
+  // -- tables ----------------------------------------------------------------
+  function fillBody(table, rows) {
+    const body = table.tBodies[0];
+    body.replaceChildren(...rows.map((cells) => {
+      const tr = document.createElement("tr");
+      for (const cell of cells) {
+        const td = document.createElement("td");
+        if (cell && typeof cell === "object") { td.textContent = cell.text; td.className = cell.cls || ""; }
+        else td.textContent = cell == null ? dash : String(cell);
+        tr.appendChild(td);
+      }
+      return tr;
+    }));
+  }
+
+  // Health entries come from the gateway's /health: a value may be a bool, a string,
+  // or an object with status/ok/ready plus details; a "workers" entry may nest per rank.
+  const GOOD = new Set(["ok", "ready", "up", "healthy", "true", "connected", "serving"]);
+  const BAD = new Set(["down", "error", "unreachable", "dead", "false", "not_ready", "failed", "unhealthy", "degraded"]);
+  function statusOf(v) {
+    if (v == null) return "unknown";
+    if (typeof v !== "object") return String(v);
+    for (const key of ["status", "state", "ok", "ready", "healthy", "alive", "up"]) {
+      if (key in v) return String(v[key]);
+    }
+    return "unknown";
+  }
+  function detailOf(v) {
+    if (v == null || typeof v !== "object") return "";
+    return Object.entries(v)
+      .filter(([k, x]) => !["status", "state", "ok", "ready", "healthy", "alive", "up", "workers"].includes(k)
+        && (x == null || typeof x !== "object"))
+      .map(([k, x]) => `${k}=${x}`).join("  ");
+  }
+  function healthRows(health) {
+    const rows = [];
+    const add = (name, v) => {
+      const s = statusOf(v).toLowerCase();
+      const cls = GOOD.has(s) ? "ok" : BAD.has(s) ? "bad" : "unknown";
+      rows.push([name, { text: s, cls }, detailOf(v)]);
+    };
+    for (const [name, v] of Object.entries(health || {})) {
+      if (v && typeof v === "object" && (Array.isArray(v) || name === "workers")) {
+        const entries = Array.isArray(v) ? v.map((w, i) => [w && w.rank != null ? w.rank : i, w]) : Object.entries(v);
+        for (const [rank, w] of entries) add(`worker ${rank}`, w);
+        continue;
+      }
+      add(name, v);
+      if (v && typeof v === "object" && v.workers) {
+        const ws = v.workers;
+        const entries = Array.isArray(ws) ? ws.map((w, i) => [w && w.rank != null ? w.rank : i, w]) : Object.entries(ws);
+        for (const [rank, w] of entries) add(`worker ${rank}`, w);
+      }
+    }
+    return rows;
+  }
+
+  const reqRow = (r) => [r.req_id, r.priority, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens, fmtSec(r.age_s)];
+
+  // -- rendering one snapshot -------------------------------------------------
+  function render(s) {
+    lastSnapshot = s;
+    const e = s.engine || {};
+    const w = s.window || {};
+    setText("model-name", s.model || "");
+    setText("running-count", fmtInt(e.num_running));
+    setText("waiting-count", fmtInt(e.num_waiting));
+    setText("kv-usage", fmtPct(e.kv_usage));
+    $("kv-usage-bar").style.width = e.kv_usage == null ? "0" : (e.kv_usage * 100).toFixed(1) + "%";
+    setText("kv-blocks", e.available ? `${e.num_kv_blocks_total - e.num_kv_blocks_free} / ${e.num_kv_blocks_total} blocks` : dash);
+    setText("requests-per-s", fmtRate(w.requests_per_s));
+    setText("tokens-per-s", fmtRate(w.generation_tokens_per_s));
+    setText("prompt-tokens-per-s", fmtRate(w.prompt_tokens_per_s));
+    setText("ttft-p50", fmtSec(w.ttft_p50_s));
+    setText("ttft-p95", fmtSec(w.ttft_p95_s));
+    setText("queue-p95", fmtSec(w.queue_p95_s));
+    setText("preemption-rate", fmtRate(w.preemptions_per_s));
+    setText("preemptions-total", fmtInt(e.num_preemptions_total));
+    setText("rejection-rate", fmtRate(w.rejections_per_s));
+    setText("window-label", `last ${fmtInt(w.window_s)} s`);
+    setText("updated-at", new Date(s.time * 1000).toLocaleTimeString());
+    $("stale-badge").hidden = !e.stale;
+
+    fillBody($("health"), healthRows(s.health));
+    fillBody($("processes"), (s.processes || []).map((p) =>
+      [p.name, fmtBytes(p.rss_bytes), fmtBytes(p.peak_rss_bytes), fmtBytes(p.device_memory_peak_bytes)]));
+    fillBody($("running-table"), (s.running || []).map(reqRow));
+    fillBody($("waiting-table"), (s.waiting || []).map(reqRow));
+    setText("running-table-count", e.num_running == null ? "" : `(${e.num_running})`);
+    setText("waiting-table-count", e.num_waiting == null ? "" : `(${e.num_waiting})`);
+    fillBody($("config"), Object.entries(s.config || {}).sort(([a], [b]) => a.localeCompare(b))
+      .map(([k, v]) => [k, typeof v === "object" ? JSON.stringify(v) : v]));
+
+    const running = e.stale ? null : e.num_running;
+    const waiting = e.stale ? null : e.num_waiting;
+    pushPoint(s.time, running, waiting, e.stale ? null : e.kv_usage, w.generation_tokens_per_s);
+    redraw();
+  }
+
+  // -- wiring ------------------------------------------------------------------
+  function connect() {
+    const source = new EventSource("dashboard/events");
+    const status = $("conn-status");
+    source.onopen = () => { status.textContent = "live"; status.className = "badge badge-good"; };
+    source.onerror = () => { status.textContent = "reconnecting"; status.className = "badge badge-warn"; };
+    source.addEventListener("history", (ev) => {
+      const h = JSON.parse(ev.data);
+      for (const p of h.points || []) pushPoint(p.time, p.num_running, p.num_waiting, p.kv_usage, null);
+      redraw();
+    });
+    source.addEventListener("snapshot", (ev) => render(JSON.parse(ev.data)));
+  }
+
+  makeCharts();
+  connect();
+  // A stable hook for tests and for poking at the page from the console.
+  window.ferryDashboard = { points: () => series.t.length, snapshot: () => lastSnapshot, series };
+})();

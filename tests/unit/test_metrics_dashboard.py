@@ -1,0 +1,99 @@
+"""The dashboard router: snapshot values agree with /metrics, static whitelist, the SSE stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from services.gateway.dashboard import dashboard_snapshot, history_points, make_dashboard_router
+from services.gateway.metrics import GatewayMetrics
+from shared.messages import EngineStats, RequestSummary
+from tests.browser.helpers import serve_in_thread
+
+
+def state() -> dict[str, Any]:
+    return {"health": {"gateway": {"status": "ok"}, "redis": {"status": "unreachable"}},
+            "config": {"max_num_seqs": 4}}
+
+
+def stats(t: float, running: int, waiting: int) -> EngineStats:
+    return EngineStats(time=t, num_running=running, num_waiting=waiting, num_kv_blocks_total=64,
+                       num_kv_blocks_free=16, kv_usage=0.75, config={"block_size": "16"},
+                       running=[RequestSummary("a", 0, 10, 2, 12, 1.5)],
+                       waiting=[RequestSummary("b", 1, 20, 0, 0, 0.2)],
+                       process_rss_bytes={"scheduler": 1 << 20})
+
+
+def test_snapshot_mirrors_latest_stats_and_state() -> None:
+    m = GatewayMetrics("m")
+    now = time.time()
+    m.on_engine_stats(stats(now, running=3, waiting=9))
+    snap = dashboard_snapshot(m, state, now=now + 1)
+    assert snap["engine"]["num_running"] == 3 and snap["engine"]["num_waiting"] == 9
+    assert snap["engine"]["stale"] is False
+    assert snap["running"][0]["req_id"] == "a" and snap["waiting"][0]["priority"] == 1
+    assert snap["config"] == {"block_size": "16", "max_num_seqs": 4}
+    assert snap["health"]["redis"]["status"] == "unreachable"
+    assert [p["name"] for p in snap["processes"]] == ["gateway", "scheduler"]
+    assert dashboard_snapshot(m, state, now=now + 60)["engine"]["stale"] is True
+
+
+def test_snapshot_without_stats_and_with_a_broken_state() -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("redis probe exploded")
+
+    snap = dashboard_snapshot(GatewayMetrics("m"), broken)
+    assert snap["engine"]["available"] is False and snap["engine"]["num_running"] is None
+    assert "exploded" in snap["health"]["gateway"]["detail"]
+
+
+def test_history_keeps_one_point_per_second() -> None:
+    m = GatewayMetrics("m")
+    for i in range(12):  # four samples a second for three seconds
+        m.on_engine_stats(stats(1000.0 + i * 0.25, running=i, waiting=0))
+    points = history_points(m, now=1010.0)
+    assert [p["num_running"] for p in points] == [3, 7, 11]
+
+
+def test_routes_serve_page_data_and_only_whitelisted_files() -> None:
+    m = GatewayMetrics("m")
+    m.on_engine_stats(stats(time.time(), running=2, waiting=1))
+    app = FastAPI()
+    app.include_router(make_dashboard_router(m, state))
+    client = TestClient(app)
+    page = client.get("/dashboard")
+    assert page.status_code == 200 and 'id="running-count"' in page.text
+    assert "http" not in page.text.split("<body>")[0]  # no CDN links in the head
+    js = client.get("/dashboard/static/uPlot.iife.min.js")
+    assert js.status_code == 200 and "uPlot" in js.text
+    assert client.get("/dashboard/static/..%2Fdashboard.py").status_code == 404
+    assert client.get("/dashboard/static/README.md").status_code == 404
+    data = client.get("/dashboard/data").json()
+    assert data["engine"]["num_running"] == 2
+
+
+def test_event_stream_sends_history_then_snapshots() -> None:
+    m = GatewayMetrics("m")
+    m.on_engine_stats(stats(time.time() - 1, running=5, waiting=4))
+    app = FastAPI()
+    app.include_router(make_dashboard_router(m, state, interval_s=0.1))
+    events: list[tuple[str, dict[str, Any]]] = []
+    with serve_in_thread(app) as base, httpx.stream("GET", f"{base}/dashboard/events", timeout=10) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        event = ""
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                events.append((event, json.loads(line[6:])))
+                if len(events) == 3:
+                    break
+    assert events[0][0] == "history" and events[0][1]["points"][0]["num_running"] == 5
+    assert [e for e, _ in events[1:]] == ["snapshot", "snapshot"]
+    assert events[2][1]["engine"]["num_waiting"] == 4
+    assert events[2][1]["time"] > events[1][1]["time"]
