@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint unit bench-scheduler bench-offline clean
+.PHONY: install run test lint unit bench-scheduler bench-offline clean browser
 
 install: $(STAMP)
 
@@ -23,8 +23,13 @@ lint: install
 	$(VENV)/bin/ruff check services shared loadtests ferry_cli tests
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint browser
 	$(PY) -m pytest -q
+
+# The dashboard's browser test drives Debian's Chromium through Playwright (never
+# `playwright install`); apt-get runs only when the binary is missing.
+browser:
+	@test -x /usr/bin/chromium || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
 unit: install
 	$(PY) -m pytest -q tests/unit
