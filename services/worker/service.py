@@ -127,10 +127,15 @@ def _loop(runner: ModelRunner, plans: zmq.Socket, results: zmq.Socket, config: W
         results.send(encode(result))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's flags (also imported by tests/unit/test_compose.py to check docker-compose.yml)."""
     parser = argparse.ArgumentParser(prog="python -m services.worker", description="a ferry model worker rank")
     add_config_args(parser, WorkerConfig)
-    config = config_from_args(WorkerConfig, parser.parse_args(argv))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_from_args(WorkerConfig, build_parser().parse_args(argv))
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s"
     )
