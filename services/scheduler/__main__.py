@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from types import FrameType
 
 from shared.config import SchedulerConfig, add_config_args, config_as_dict, config_from_args
+from shared.logs import add_logging_args, setup_logging_from_args
 
 log = logging.getLogger("ferry.scheduler")
 
@@ -27,20 +28,17 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         prog="python -m services.scheduler",
         description="ferry scheduler: continuous batching over a paged KV block ledger",
     )
-    parser.add_argument("--log-level", default=(environ or os.environ).get("FERRY_LOG_LEVEL", "INFO"))
     add_config_args(parser, SchedulerConfig, environ)
+    add_logging_args(parser, environ)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging_from_args("scheduler", args)
     config = config_from_args(SchedulerConfig, args)
-    log.info("effective configuration: %s", json.dumps(config_as_dict(config), sort_keys=True))
+    log.info("effective configuration: %s", json.dumps(config_as_dict(config), sort_keys=True),
+             extra={"config": config_as_dict(config)})
 
     from services.scheduler.service import SchedulerService  # after logging is set up
 

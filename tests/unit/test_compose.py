@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,16 @@ def ferry_services() -> list[tuple[str, dict[str, Any]]]:
     return [(name, svc) for name, svc in services.items() if svc.get("command", [""])[0] in PARSERS]
 
 
-def build_parser(module: str, environ: dict[str, str]) -> argparse.ArgumentParser:
+def build_parser(module: str, environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The service's own parser, built under exactly the container's FERRY_* environment."""
     mod_name, func = PARSERS[module]
     builder = getattr(importlib.import_module(mod_name), func)
-    parser: argparse.ArgumentParser = builder(environ)
+    for key in list(os.environ):
+        if key.startswith("FERRY_"):
+            monkeypatch.delenv(key)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    parser: argparse.ArgumentParser = builder()
     return parser
 
 
@@ -60,12 +67,12 @@ def test_every_core_service_is_present() -> None:
 
 
 @pytest.mark.parametrize("name", [name for name, _ in ferry_services()])
-def test_command_and_environment_accepted_by_the_service_parser(name: str) -> None:
+def test_command_and_environment_accepted_by_the_service_parser(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     svc = dict(ferry_services())[name]
     env = {k: interpolate(v) for k, v in (svc.get("environment") or {}).items()}
     module, *argv = svc["command"]
     # Building the parser converts every FERRY_* default: a bad value raises here.
-    parser = build_parser(module, env)
+    parser = build_parser(module, env, monkeypatch)
     args = parser.parse_args([interpolate(a) for a in argv])
     known = {action.dest for action in parser._actions}
     for key, value in env.items():
