@@ -85,12 +85,56 @@ def _engine(stats: EngineStats | None, now: float) -> dict[str, Any]:
     }
 
 
+_GOOD = {"ok", "ready", "up", "healthy", "connected", "serving", "true"}
+
+
+def _detail(d: dict[str, Any], skip: tuple[str, ...]) -> str:
+    return "  ".join(f"{k}={v}" for k, v in d.items()
+                     if k not in skip and v is not None and v != "" and not isinstance(v, dict | list))
+
+
+def health_components(health: dict[str, Any], stats: EngineStats | None) -> list[dict[str, Any]]:
+    """One row per process (gateway, scheduler, each worker, Redis) from the gateway's /health view.
+
+    ``up`` is True, False, or None where the component is switched off (no Redis
+    configured). Worker ranks come from the scheduler's view: ``num_workers`` and
+    ``workers_ready``.
+    """
+    rows: list[dict[str, Any]] = [{
+        "name": GATEWAY_PROCESS, "status": str(health.get("status", "ok")), "up": True,
+        "detail": _detail(health, ("status", "scheduler", "redis", "workers")),
+    }]
+    sched = health.get("scheduler")
+    if isinstance(sched, dict):
+        ready = bool(sched.get("ready", sched.get("status") in _GOOD))
+        status = "ready" if ready else ("connected" if sched.get("connected") else "down")
+        rows.append({"name": "scheduler", "status": status, "up": ready,
+                     "detail": _detail(sched, ("ready", "status", "connected", "workers_ready", "endpoint"))})
+        num_workers = sched.get("num_workers") or 0
+        ready_ranks = set(sched.get("workers_ready") or [])
+        if stats is not None and not ready_ranks:
+            ready_ranks = set(stats.workers_ready)
+        for rank in range(int(num_workers)):
+            up = ready and rank in ready_ranks
+            rows.append({"name": f"worker {rank}", "status": "ready" if up else "down", "up": up, "detail": ""})
+    redis = health.get("redis")
+    if isinstance(redis, dict):
+        state = str(redis.get("redis", redis.get("status", "unknown")))
+        redis_up = None if state == "disabled" else state in _GOOD
+        rows.append({"name": "redis", "status": state, "up": redis_up,
+                     "detail": _detail(redis, ("redis", "status"))})
+    elif isinstance(redis, str):
+        rows.append({"name": "redis", "status": redis, "up": None if redis == "disabled" else redis in _GOOD,
+                     "detail": ""})
+    return rows
+
+
 def _state(state: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return dict(state())
     except Exception as exc:  # the page must keep updating even when a health probe breaks
         logger.warning("dashboard state() failed: %s", exc)
-        return {"health": {"gateway": {"status": "error", "detail": str(exc)}}, "config": {}}
+        return {"health": {"status": "error", "error": str(exc)}, "config": {}}
 
 
 def dashboard_snapshot(metrics: GatewayMetrics, state: Callable[[], dict[str, Any]],
@@ -109,7 +153,7 @@ def dashboard_snapshot(metrics: GatewayMetrics, state: Callable[[], dict[str, An
         "running": _rows(stats.running) if stats else [],
         "waiting": _rows(stats.waiting) if stats else [],
         "processes": _processes(stats, metrics),
-        "health": extra.get("health") or {},
+        "health": health_components(extra.get("health") or {}, stats),
         "config": config,
     }
 
@@ -133,6 +177,11 @@ def make_dashboard_router(metrics: GatewayMetrics, state: Callable[[], dict[str,
                           interval_s: float = 1.0) -> APIRouter:
     """Routes for the page, its static files, one-shot data and the SSE stream."""
     router = APIRouter(tags=["dashboard"])
+    metrics.set_component_source(lambda: [
+        (row["name"], bool(row["up"]))
+        for row in health_components(_state(state).get("health") or {}, metrics.last_stats)
+        if row["up"] is not None
+    ])
 
     @router.get("/dashboard", include_in_schema=False)
     async def page() -> Response:

@@ -21,6 +21,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,37 +36,25 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import MetricWrapperBase
 
+from services.gateway.metrics_families import (
+    ITL_BUCKETS,
+    N_BUCKETS,
+    REQUEST_BUCKETS,
+    STEP_SEQ_BUCKETS,
+    STEP_TIME_BUCKETS,
+    STEP_TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    Fan,
+    ScrapeTimeCollector,
+    one_two_five_buckets,
+)
 from services.gateway.metrics_window import EngineSample, FinishedSample, LiveWindow
 from shared.messages import EngineHealth, EngineStats, RequestTimings
 
 GATEWAY_PROCESS = "gateway"
+ComponentSource = Callable[[], Iterable[tuple[str, bool]]]
 # Finish reasons shown as zero series from the start (others appear when they occur).
 FINISH_REASONS = ("stop", "length", "abort")
-
-# Bucket edges follow vLLM's so quantiles line up when both are on one dashboard.
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0]
-_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-_STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-_STEP_SEQ_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-_STEP_TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
-_N_BUCKETS = [1, 2, 5, 10, 20]
-
-
-def _one_two_five_buckets(limit: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's length buckets)."""
-    out: list[float] = []
-    scale = 1
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * scale
-            if value > limit:
-                return out
-            out.append(float(value))
-        scale *= 10
 
 
 @dataclass
@@ -85,40 +74,6 @@ class RequestRecord:
     timings: RequestTimings | None  # the scheduler's view (queue, prefill, decode)
     max_tokens: int | None = None  # the request's max_tokens, when it set one
     n: int = 1  # choices asked for
-
-
-class _Fan:
-    """One logical metric exposed under one or more prefixes, with fixed base labels."""
-
-    def __init__(self, metrics: list[MetricWrapperBase], base: dict[str, str]) -> None:
-        self._metrics = metrics
-        self._base = base
-
-    def _children(self, labels: dict[str, str]) -> list[Any]:
-        return [m.labels(**self._base, **labels) for m in self._metrics]
-
-    def set(self, value: float, **labels: str) -> None:
-        for child in self._children(labels):
-            child.set(value)
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        children = self._children(labels)  # creates the series even for a zero increase
-        if amount <= 0:
-            return
-        for child in children:
-            child.inc(amount)
-
-    def observe(self, value: float, **labels: str) -> None:
-        for child in self._children(labels):
-            child.observe(value)
-
-    def remove(self, **labels: str) -> None:
-        values = [*self._base.values(), *labels.values()]
-        for metric in self._metrics:
-            try:
-                metric.remove(*values)
-            except KeyError:
-                pass
 
 
 class GatewayMetrics:
@@ -144,12 +99,21 @@ class GatewayMetrics:
         self._last_totals: dict[str, int] = {}
         self._seen_labels: dict[str, set[str]] = {}
         self._own_process = psutil.Process(os.getpid())
+        self._components: ComponentSource = lambda: [(GATEWAY_PROCESS, True)]
         self._declare(max_model_len)
+        self.registry.register(ScrapeTimeCollector(
+            self._base, lambda: self._components(),
+            lambda: dict(self.last_stats.config) if self.last_stats is not None else {},
+        ))
+
+    def set_component_source(self, source: ComponentSource) -> None:
+        """Where ``ferry:component_up`` reads (component, healthy) pairs at each scrape."""
+        self._components = source
 
     # -- declaration ----------------------------------------------------------
 
     def _fan(self, cls: type[MetricWrapperBase], name: str, doc: str, labels: tuple[str, ...] = (),
-             vllm: bool = True, ferry: bool = True, **kwargs: Any) -> _Fan:
+             vllm: bool = True, ferry: bool = True, **kwargs: Any) -> Fan:
         prefixes = (["ferry"] if ferry else []) + (["vllm"] if vllm and self.vllm_compat else [])
         labelnames = [*self._base, *labels]
         made = [cls(f"{p}:{name}", doc, labelnames, registry=self.registry, **kwargs) for p in prefixes]
@@ -158,11 +122,11 @@ class GatewayMetrics:
             # before the first stats or request arrive.
             for metric in made:
                 metric.labels(**self._base)
-        return _Fan(made, self._base)
+        return Fan(made, self._base)
 
     def _declare(self, max_model_len: int) -> None:
         g, c, h = Gauge, Counter, Histogram
-        length = _one_two_five_buckets(max_model_len)
+        length = one_two_five_buckets(max_model_len)
         # Engine state (gauges from the latest EngineStats).
         self.running = self._fan(g, "num_requests_running", "Requests in the running set.")
         self.waiting = self._fan(g, "num_requests_waiting", "Requests in the waiting queue.")
@@ -198,11 +162,11 @@ class GatewayMetrics:
         self.worker_restarts = self._fan(c, "worker_restarts", "Worker processes restarted.", vllm=False)
         # Per-step histograms (from the samples in each EngineStats).
         self.step_tokens = self._fan(h, "iteration_tokens_total", "Tokens per engine step.",
-                                     buckets=_STEP_TOKEN_BUCKETS)
+                                     buckets=STEP_TOKEN_BUCKETS)
         self.step_seqs = self._fan(h, "iteration_num_seqs", "Sequences per engine step.", vllm=False,
-                                   buckets=_STEP_SEQ_BUCKETS)
+                                   buckets=STEP_SEQ_BUCKETS)
         self.step_time = self._fan(h, "iteration_duration_seconds", "Wall time of one engine step.",
-                                   vllm=False, buckets=_STEP_TIME_BUCKETS)
+                                   vllm=False, buckets=STEP_TIME_BUCKETS)
         # Requests, as the gateway saw them.
         self.success = self._fan(c, "request_success", "Finished requests by finish reason.",
                                  ("finished_reason",))
@@ -212,23 +176,23 @@ class GatewayMetrics:
                                   ("reason", "status"), vllm=False)
         self.cached_tokens = self._fan(c, "prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
                                        vllm=False)
-        self.ttft = self._fan(h, "time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS)
+        self.ttft = self._fan(h, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS)
         self.itl = self._fan(h, "inter_token_latency_seconds", "Time between token batches.",
-                             buckets=_ITL_BUCKETS)
+                             buckets=ITL_BUCKETS)
         self.tpot = self._fan(h, "request_time_per_output_token_seconds", "Decode time per output token.",
-                              buckets=_ITL_BUCKETS)
+                              buckets=ITL_BUCKETS)
         self.tpot_legacy = self._fan(h, "time_per_output_token_seconds", "Deprecated vLLM name of the TPOT.",
-                                     ferry=False, buckets=_ITL_BUCKETS)
+                                     ferry=False, buckets=ITL_BUCKETS)
         self.e2e = self._fan(h, "e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=_REQUEST_BUCKETS)
+                             buckets=REQUEST_BUCKETS)
         self.queue = self._fan(h, "request_queue_time_seconds", "Time in the waiting queue.",
-                               buckets=_REQUEST_BUCKETS)
+                               buckets=REQUEST_BUCKETS)
         self.inference = self._fan(h, "request_inference_time_seconds", "Time in the running set.",
-                                   buckets=_REQUEST_BUCKETS)
+                                   buckets=REQUEST_BUCKETS)
         self.prefill = self._fan(h, "request_prefill_time_seconds", "First scheduled to first token.",
-                                 buckets=_REQUEST_BUCKETS)
+                                 buckets=REQUEST_BUCKETS)
         self.decode = self._fan(h, "request_decode_time_seconds", "First token to finish.",
-                                buckets=_REQUEST_BUCKETS)
+                                buckets=REQUEST_BUCKETS)
         self.req_prompt = self._fan(h, "request_prompt_tokens", "Prompt length per request.", buckets=length)
         self.req_output = self._fan(h, "request_generation_tokens", "Output length per request.",
                                     buckets=length)
@@ -236,7 +200,7 @@ class GatewayMetrics:
                                      " choice per request.", buckets=length)
         self.req_max_tokens = self._fan(h, "request_params_max_tokens", "The max_tokens parameter.",
                                         buckets=length)
-        self.req_n = self._fan(h, "request_params_n", "The n parameter.", buckets=_N_BUCKETS)
+        self.req_n = self._fan(h, "request_params_n", "The n parameter.", buckets=N_BUCKETS)
         self.req_preemptions = self._fan(h, "request_num_preemptions", "Times one request was preempted.",
                                          vllm=False, buckets=[0, 1, 2, 4, 8, 16])
 
@@ -286,7 +250,7 @@ class GatewayMetrics:
         self.scheduler_ready.set(1.0 if health.scheduler_ready else 0.0)
         self.workers_ready.set(len(health.workers_ready))
 
-    def _count(self, fan: _Fan, key: str, total: int) -> None:
+    def _count(self, fan: Fan, key: str, total: int) -> None:
         """Advance a counter by the increase of a scheduler total.
 
         A total below the previous one means the scheduler restarted and counts
@@ -300,7 +264,7 @@ class GatewayMetrics:
         else:
             fan.inc(total - last)
 
-    def _set_labelled(self, fan: _Fan, label: str, values: dict[str, int], absent: float | None) -> None:
+    def _set_labelled(self, fan: Fan, label: str, values: dict[str, int], absent: float | None) -> None:
         """Set one series per label value; series that vanished go to ``absent`` (None: removed)."""
         key = f"{id(fan)}:{label}"
         previous = self._seen_labels.get(key, set())

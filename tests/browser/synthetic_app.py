@@ -88,11 +88,12 @@ class Feeder:
 
 
 def health() -> dict[str, Any]:
+    """The shape of the gateway's /health (GatewayState.health)."""
     return {
-        "gateway": {"status": "ok"},
-        "scheduler": {"status": "ok", "ready": True},
-        "workers": [{"rank": 0, "status": "ok"}],
-        "redis": {"status": "unreachable", "detail": "per-gateway limits in effect"},
+        "status": "ok", "ready": True, "reason": "", "gateway_id": "gw-synthetic", "model": "synthetic-model",
+        "scheduler": {"endpoint": "ipc:///tmp/x", "connected": True, "ready": True, "reason": "",
+                      "last_seen_s_ago": 0.1, "num_workers": 2, "workers_ready": [0, 1]},
+        "redis": {"redis": "degraded", "detail": "connection refused", "auth": "static"},
     }
 
 

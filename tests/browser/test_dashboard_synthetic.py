@@ -37,7 +37,7 @@ def test_dashboard_tracks_metrics_and_draws(tmp_path: Path) -> None:
             text = page.text_content(f"#{element}") or ""
             assert re.search(r"\d", text), f"#{element} shows {text!r}"
         health = page.text_content("#health") or ""
-        for name in ("gateway", "scheduler", "worker 0", "redis", "unreachable"):
+        for name in ("gateway", "scheduler", "worker 0", "worker 1", "redis", "degraded"):
             assert name in health, health
         config = page.text_content("#config") or ""
         assert "max_num_seqs" in config and "scheduling_policy" in config

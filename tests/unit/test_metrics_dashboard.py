@@ -15,10 +15,16 @@ from services.gateway.metrics import GatewayMetrics
 from shared.messages import EngineStats, RequestSummary
 from tests.browser.helpers import serve_in_thread
 
+HEALTH: dict[str, Any] = {
+    "status": "ok", "ready": True, "reason": "", "gateway_id": "gw-1",
+    "scheduler": {"endpoint": "ipc:///x", "connected": True, "ready": True, "reason": "", "num_workers": 2,
+                  "workers_ready": [1]},
+    "redis": {"redis": "degraded", "detail": "connection refused", "auth": "static"},
+}
+
 
 def state() -> dict[str, Any]:
-    return {"health": {"gateway": {"status": "ok"}, "redis": {"status": "unreachable"}},
-            "config": {"max_num_seqs": 4}}
+    return {"health": HEALTH, "config": {"max_num_seqs": 4}}
 
 
 def stats(t: float, running: int, waiting: int) -> EngineStats:
@@ -38,7 +44,9 @@ def test_snapshot_mirrors_latest_stats_and_state() -> None:
     assert snap["engine"]["stale"] is False
     assert snap["running"][0]["req_id"] == "a" and snap["waiting"][0]["priority"] == 1
     assert snap["config"] == {"block_size": "16", "max_num_seqs": 4}
-    assert snap["health"]["redis"]["status"] == "unreachable"
+    rows = {r["name"]: (r["status"], r["up"]) for r in snap["health"]}
+    assert rows == {"gateway": ("ok", True), "scheduler": ("ready", True), "worker 0": ("down", False),
+                    "worker 1": ("ready", True), "redis": ("degraded", False)}
     assert [p["name"] for p in snap["processes"]] == ["gateway", "scheduler"]
     assert dashboard_snapshot(m, state, now=now + 60)["engine"]["stale"] is True
 
@@ -49,7 +57,8 @@ def test_snapshot_without_stats_and_with_a_broken_state() -> None:
 
     snap = dashboard_snapshot(GatewayMetrics("m"), broken)
     assert snap["engine"]["available"] is False and snap["engine"]["num_running"] is None
-    assert "exploded" in snap["health"]["gateway"]["detail"]
+    (gateway,) = snap["health"]
+    assert gateway["name"] == "gateway" and gateway["status"] == "error" and "exploded" in gateway["detail"]
 
 
 def test_history_keeps_one_point_per_second() -> None:
@@ -97,3 +106,27 @@ def test_event_stream_sends_history_then_snapshots() -> None:
     assert [e for e, _ in events[1:]] == ["snapshot", "snapshot"]
     assert events[2][1]["engine"]["num_waiting"] == 4
     assert events[2][1]["time"] > events[1][1]["time"]
+
+
+def test_component_up_and_config_info_series_at_scrape_time() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = GatewayMetrics("m")
+    m.on_engine_stats(stats(time.time(), running=1, waiting=0))
+    make_dashboard_router(m, state)
+    body, _ = m.render()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    base = (("engine", "0"), ("model_name", "m"))
+
+    def up(name: str) -> float:
+        return got[("ferry:component_up", tuple(sorted((*base, ("component", name)))))]
+    assert (up("gateway"), up("scheduler"), up("worker 0"), up("worker 1"), up("redis")) == (1, 1, 0, 1, 0)
+    assert got[("ferry:engine_config_info", tuple(sorted((*base, ("knob", "block_size"), ("value", "16")))))] == 1
+
+
+def test_disabled_redis_is_neither_up_nor_down() -> None:
+    from services.gateway.dashboard import health_components
+
+    rows = health_components({"status": "ok", "redis": {"redis": "disabled"}}, None)
+    assert rows[-1] == {"name": "redis", "status": "disabled", "up": None, "detail": ""}

@@ -82,47 +82,8 @@
     }));
   }
 
-  // Health entries come from the gateway's /health: a value may be a bool, a string,
-  // or an object with status/ok/ready plus details; a "workers" entry may nest per rank.
-  const GOOD = new Set(["ok", "ready", "up", "healthy", "true", "connected", "serving"]);
-  const BAD = new Set(["down", "error", "unreachable", "dead", "false", "not_ready", "failed", "unhealthy", "degraded"]);
-  function statusOf(v) {
-    if (v == null) return "unknown";
-    if (typeof v !== "object") return String(v);
-    for (const key of ["status", "state", "ok", "ready", "healthy", "alive", "up"]) {
-      if (key in v) return String(v[key]);
-    }
-    return "unknown";
-  }
-  function detailOf(v) {
-    if (v == null || typeof v !== "object") return "";
-    return Object.entries(v)
-      .filter(([k, x]) => !["status", "state", "ok", "ready", "healthy", "alive", "up", "workers"].includes(k)
-        && (x == null || typeof x !== "object"))
-      .map(([k, x]) => `${k}=${x}`).join("  ");
-  }
-  function healthRows(health) {
-    const rows = [];
-    const add = (name, v) => {
-      const s = statusOf(v).toLowerCase();
-      const cls = GOOD.has(s) ? "ok" : BAD.has(s) ? "bad" : "unknown";
-      rows.push([name, { text: s, cls }, detailOf(v)]);
-    };
-    for (const [name, v] of Object.entries(health || {})) {
-      if (v && typeof v === "object" && (Array.isArray(v) || name === "workers")) {
-        const entries = Array.isArray(v) ? v.map((w, i) => [w && w.rank != null ? w.rank : i, w]) : Object.entries(v);
-        for (const [rank, w] of entries) add(`worker ${rank}`, w);
-        continue;
-      }
-      add(name, v);
-      if (v && typeof v === "object" && v.workers) {
-        const ws = v.workers;
-        const entries = Array.isArray(ws) ? ws.map((w, i) => [w && w.rank != null ? w.rank : i, w]) : Object.entries(ws);
-        for (const [rank, w] of entries) add(`worker ${rank}`, w);
-      }
-    }
-    return rows;
-  }
+  // The server already reduced /health to one row per process: {name, status, up, detail}.
+  const healthRow = (h) => [h.name, { text: h.status, cls: h.up === true ? "ok" : h.up === false ? "bad" : "unknown" }, h.detail];
 
   const reqRow = (r) => [r.req_id, r.priority, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens, fmtSec(r.age_s)];
 
@@ -150,7 +111,7 @@
     setText("updated-at", new Date(s.time * 1000).toLocaleTimeString());
     $("stale-badge").hidden = !e.stale;
 
-    fillBody($("health"), healthRows(s.health));
+    fillBody($("health"), (s.health || []).map(healthRow));
     fillBody($("processes"), (s.processes || []).map((p) =>
       [p.name, fmtBytes(p.rss_bytes), fmtBytes(p.peak_rss_bytes), fmtBytes(p.device_memory_peak_bytes)]));
     fillBody($("running-table"), (s.running || []).map(reqRow));
