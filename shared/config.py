@@ -120,9 +120,13 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     metrics_compat: str = ""
     """'vllm' also exposes metrics under vLLM's exact names."""
     heartbeat_interval_s: float = 1.0
+    """How often the gateway tells the scheduler it is alive."""
     default_rpm: int = 0
     """Per-gateway requests/minute per key when Redis is unreachable (0: unlimited)."""
     cache_dir: str = ""
+    """Where converted GGUF tokenizers are cached ('': ~/.cache/ferry)."""
+    scheduler_timeout_s: float = 10.0
+    """A scheduler silent this long is treated as down (a dead process is noticed at once)."""
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""The gateway's FastAPI application: its lifespan, middleware, and the small endpoints.
+
+``build_app`` wires one ``GatewayState`` (config, tokenizer, engine client, metrics,
+admission) into the routes of ``serving.py`` (completions, chat) and the ones
+here: models, tokenize/detokenize, health, readiness, version, config, metrics
+and the dashboard. The engine client's sockets open in the lifespan, inside the
+server's event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.gateway.dashboard import make_dashboard_router
+from services.gateway.errors import bad_request, install_error_handlers
+from services.gateway.middleware import RequestGuard
+from services.gateway.protocol import DetokenizeRequest, TokenizeRequest
+from services.gateway.serving import router as serving_router
+from services.gateway.state import build_state, ferry_version, state_of
+from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.validation import check_model, render_chat
+from shared.config import GatewayConfig
+
+JSON_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+
+
+misc = APIRouter()
+
+
+@misc.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    card = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "ferry",
+            "root": st.config.model, "parent": None, "max_model_len": st.max_model_len()}
+    return {"object": "list", "data": [card]}
+
+
+@misc.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    if body.model is not None:
+        check_model(body.model, st.limits())
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send exactly one of 'prompt' or 'messages'", "prompt")
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = render_chat(st.tokenizer, messages, body.add_generation_prompt)
+        ids = st.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = st.tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": st.max_model_len(), "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = [st.tokenizer.token_text(t) for t in ids]
+    return out
+
+
+@misc.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    if body.model is not None:
+        check_model(body.model, st.limits())
+    bad = next((t for t in body.tokens if t >= st.tokenizer.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (0..{st.tokenizer.vocab_size - 1})", "tokens")
+    return {"prompt": st.tokenizer.decode(body.tokens)}
+
+
+@misc.get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    return state_of(request).health()
+
+
+@misc.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    st = state_of(request)
+    ok, reason = st.engine.readiness()
+    body = {"ready": ok, "reason": reason, "scheduler": st.engine.status()}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@misc.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": ferry_version()}
+
+
+@misc.get("/v1/config")
+async def effective_config(request: Request) -> dict[str, Any]:
+    return state_of(request).effective_config()
+
+
+@misc.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    body, content_type = state_of(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
+              gateway_id: str | None = None) -> FastAPI:
+    st = build_state(config, tokenizer, gateway_id)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await st.engine.start()
+        try:
+            yield
+        finally:
+            await st.engine.close()
+            await st.admission.close()
+
+    app = FastAPI(title="ferry", version=ferry_version(), lifespan=lifespan,
+                  description="An OpenAI-compatible gateway in front of a ferry engine.")
+    app.state.gateway = st
+    install_error_handlers(app)
+    app.include_router(serving_router)
+    app.include_router(misc)
+    app.include_router(make_dashboard_router(
+        st.metrics, lambda: {"health": st.health(), "config": st.effective_config()}))
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, json_paths=JSON_PATHS)
+    return app

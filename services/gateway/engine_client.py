@@ -1,0 +1,297 @@
+"""The gateway's connection to a scheduler: one zmq DEALER, per-request queues, liveness.
+
+The DEALER's routing id is this gateway's id, so the scheduler's ROUTER can send
+each gateway the deltas of its own requests. It carries ``AddRequest``,
+``AbortRequest`` and a ``GatewayHeartbeat`` every ``heartbeat_interval_s``; it
+receives ``RequestDeltas``, ``RequestRejected``, ``EngineStats`` and
+``EngineHealth``.
+
+Liveness has two signals:
+
+- a socket monitor sees the connection drop the moment a scheduler process dies
+  and come back when a new one binds the endpoint (zmq reconnects by itself);
+- silence: no message for ``scheduler_timeout_s`` (a hung scheduler).
+
+Either way the scheduler is *down*: ``ready()`` is false, new requests are refused
+with 503, and every in-flight request gets an ``EngineFailure`` in its queue. On a
+lost connection the cached ``EngineHealth`` is dropped, so readiness after a
+restart needs a fresh one (the gateway sends a heartbeat the moment it connects;
+the scheduler answers a gateway it has not seen with ``EngineHealth``).
+``ZMQ_IMMEDIATE`` keeps messages from queueing for a scheduler that is not
+connected: a send then fails at once instead of reaching a later scheduler.
+
+All sends are non-blocking and synchronous (``DONTWAIT``), so an abort can be
+sent from a ``finally`` block of a cancelled stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from shared.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineHealth,
+    EngineStats,
+    GatewayHeartbeat,
+    RequestDelta,
+    RequestDeltas,
+    RequestRejected,
+    encode,
+    to_gateway_decoder,
+)
+
+log = logging.getLogger("ferry.gateway.engine")
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Put in a request's queue when the scheduler went away with the request in flight."""
+
+    message: str
+
+
+StreamItem = RequestDelta | RequestRejected | EngineFailure
+RequestQueue = asyncio.Queue[tuple[str, StreamItem]]
+
+
+class EngineUnavailable(Exception):
+    """The scheduler cannot take a request now (down, not ready, or not reachable)."""
+
+
+class EngineClient:
+    def __init__(self, endpoint: str, gateway_id: str, heartbeat_interval_s: float = 1.0,
+                 scheduler_timeout_s: float = 10.0,
+                 on_stats: Callable[[EngineStats], None] | None = None,
+                 on_health: Callable[[EngineHealth], None] | None = None) -> None:
+        self.endpoint = endpoint
+        self.gateway_id = gateway_id
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.scheduler_timeout_s = scheduler_timeout_s
+        self._on_stats = on_stats
+        self._on_health = on_health
+        self.connected = False
+        self.last_seen: float | None = None  # time.monotonic() of the last message
+        self.health: EngineHealth | None = None
+        self.stats: EngineStats | None = None
+        self.down_reason = "no scheduler seen yet"
+        self._streams: dict[str, RequestQueue] = {}
+        self._orphans: set[str] = set()  # failed locally; abort them once a scheduler is back
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        self._sock = sock
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="engine-recv"),
+                       asyncio.create_task(self._monitor_loop(monitor), name="engine-monitor"),
+                       asyncio.create_task(self._heartbeat_loop(), name="engine-heartbeat")]
+        log.info("connecting to scheduler", extra={"endpoint": self.endpoint, "gateway_id": self.gateway_id})
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self._streams:
+            self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=list(self._streams)))
+        self._fail_all("the gateway is shutting down")
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._sock, self._ctx = None, None
+
+    # -- state -----------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why not): scheduler connected and recently heard, every worker up."""
+        if not self.connected:
+            return False, f"scheduler not connected ({self.down_reason})"
+        if self.health is None:
+            return False, "waiting for the scheduler's health report"
+        h = self.health
+        if not h.scheduler_ready:
+            return False, f"scheduler not ready{': ' + h.detail if h.detail else ''}"
+        missing = sorted(set(range(h.num_workers)) - set(h.workers_ready))
+        if h.num_workers <= 0 or missing:
+            return False, f"workers not ready: {missing if missing else 'none reported'}"
+        return True, "ready"
+
+    def ready(self) -> bool:
+        return self.readiness()[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.health.max_model_len if self.health is not None else 0
+
+    def status(self) -> dict[str, object]:
+        ready, reason = self.readiness()
+        h = self.health
+        return {
+            "endpoint": self.endpoint,
+            "connected": self.connected,
+            "ready": ready,
+            "reason": reason,
+            "last_seen_s_ago": None if self.last_seen is None else round(time.monotonic() - self.last_seen, 3),
+            "num_workers": h.num_workers if h else None,
+            "workers_ready": list(h.workers_ready) if h else [],
+            "model": h.model if h else None,
+            "max_model_len": h.max_model_len if h else None,
+            "in_flight": len(self._streams),
+        }
+
+    # -- requests ----------------------------------------------------------------
+
+    def submit(self, adds: list[AddRequest], queue: RequestQueue) -> None:
+        """Register the requests' queue, then send them; EngineUnavailable if that cannot happen."""
+        ready, reason = self.readiness()
+        if not ready:
+            raise EngineUnavailable(reason)
+        for add in adds:
+            self._streams[add.req_id] = queue
+        for i, add in enumerate(adds):
+            if not self._send(add):
+                sent = [a.req_id for a in adds[:i]]
+                self.forget([a.req_id for a in adds])
+                if sent:
+                    self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=sent))
+                raise EngineUnavailable("the scheduler is not reachable")
+
+    def abort(self, req_ids: list[str]) -> None:
+        """Tell the scheduler to drop these requests (best effort) and stop routing their deltas."""
+        self.forget(req_ids)
+        if req_ids and not self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=list(req_ids))):
+            self._orphans.update(req_ids)
+
+    def forget(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self._streams.pop(rid, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _send(self, msg: msgspec.Struct) -> bool:
+        if self._sock is None:
+            return False
+        fut = self._sock.send(encode(msg), flags=zmq.DONTWAIT)
+        # DONTWAIT resolves at once: sent, or zmq.Again with no connected scheduler
+        assert isinstance(fut, asyncio.Future)
+        return fut.done() and fut.exception() is None
+
+    def _mark_down(self, reason: str, drop_health: bool) -> None:
+        was_up = self.connected
+        self.connected = False
+        if drop_health:  # a new scheduler process must report its own health
+            self.health = None
+        self.down_reason = reason
+        if was_up:
+            log.warning("scheduler down", extra={"reason": reason, "in_flight": len(self._streams)})
+        self._fail_all(f"the scheduler is unavailable ({reason})")
+
+    def _fail_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        self._orphans.update(streams)
+        for rid, queue in streams.items():
+            queue.put_nowait((rid, EngineFailure(message)))
+
+    def _on_connected(self) -> None:
+        self.connected = True
+        self.last_seen = time.monotonic()
+        log.info("scheduler connected", extra={"endpoint": self.endpoint})
+        self._send(GatewayHeartbeat(gateway_id=self.gateway_id, time=time.time()))
+        if self._orphans and self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=sorted(self._orphans))):
+            self._orphans.clear()
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, RequestDeltas):
+            for delta in msg.deltas:
+                queue = self._streams.get(delta.req_id)
+                if queue is not None:
+                    queue.put_nowait((delta.req_id, delta))
+        elif isinstance(msg, RequestRejected):
+            queue = self._streams.pop(msg.req_id, None)
+            if queue is not None:
+                queue.put_nowait((msg.req_id, msg))
+        elif isinstance(msg, EngineStats):
+            self.stats = msg
+            if self._on_stats is not None:
+                self._on_stats(msg)
+        elif isinstance(msg, EngineHealth):
+            before = self.ready()
+            self.health = msg
+            if self._on_health is not None:
+                self._on_health(msg)
+            if self.ready() != before:
+                log.info("scheduler readiness changed", extra={"ready": self.ready(), "reason": self.readiness()[1]})
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            self.last_seen = time.monotonic()
+            if not self.connected:  # a message proves the connection even if the monitor lags
+                self._on_connected()
+            try:
+                msg = to_gateway_decoder.decode(frames[-1])
+            except msgspec.DecodeError as e:
+                log.warning("undecodable message from the scheduler", extra={"error": str(e)})
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # a metrics hook must never stop the receive loop
+                log.exception("handling a scheduler message failed")
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._on_connected()
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._mark_down("connection lost", drop_health=True)
+        finally:
+            monitor.close(linger=0)
+
+    async def _heartbeat_loop(self) -> None:
+        tick = min(self.heartbeat_interval_s, 0.5)
+        next_beat = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._send(GatewayHeartbeat(gateway_id=self.gateway_id, time=time.time()))
+                next_beat = now + self.heartbeat_interval_s
+            if self.connected and self.last_seen is not None and now - self.last_seen > self.scheduler_timeout_s:
+                # hung, not gone: if it speaks again, its last health report still holds
+                self._mark_down(f"silent for {now - self.last_seen:.1f}s", drop_health=False)
+            await asyncio.sleep(tick)

@@ -1,0 +1,214 @@
+"""One HTTP request's generation: its choices as scheduler requests, turned into text events.
+
+A request with P prompts and ``n`` choices becomes P*n ``AddRequest``s sharing one
+queue. ``Generation.events()`` reads that queue and yields ``ChoiceEvent``s (safe
+text increments, their logprobs, a finish reason at the end), running each
+choice's ``TextStream`` (detokenizer + stop strings). When a stop string matches,
+the choice finishes with ``stop`` and the scheduler is told to abort it, because
+only the gateway sees text.
+
+Any failure of one choice (rejected by the scheduler, queue timeout, engine error,
+scheduler gone) aborts the others and raises an ``APIError`` with the right status.
+``close()`` is synchronous so it can run in the ``finally`` of a cancelled stream:
+it aborts whatever has not finished (client gone) and reports every choice to the
+metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.gateway.detokenizer import TextStream
+from services.gateway.engine_client import EngineClient, EngineFailure, EngineUnavailable, RequestQueue
+from services.gateway.errors import APIError, retry_after_header, unavailable
+from services.gateway.metrics import GatewayMetrics, RequestRecord
+from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.validation import GenerationSpec
+from shared.messages import AddRequest, RequestDelta, RequestRejected, RequestTimings, SampleLogprobs
+
+# RequestRejected.reason -> (HTTP status, error code)
+_REJECT_STATUS: dict[str, tuple[int, str]] = {
+    "queue_full": (429, "queue_full"),
+    "queue_tokens_full": (429, "queue_full"),
+    "too_long": (400, "context_length_exceeded"),
+    "invalid": (400, "invalid_value"),
+    "timeout": (503, "queue_timeout"),
+    "shutting_down": (503, "shutting_down"),
+}
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    req_id: str
+    prompt_index: int
+    max_tokens: int
+    stream: TextStream
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    timings: RequestTimings | None = None
+    reported: bool = False
+
+
+class Generation:
+    def __init__(self, engine: EngineClient, tokenizer: GatewayTokenizer, metrics: GatewayMetrics,
+                 spec: GenerationSpec, base_id: str, priority: int, api_key_name: str | None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.spec = spec
+        self.priority = priority
+        self.base_id = base_id
+        self.arrival_time = time.time()
+        self.queue: RequestQueue = RequestQueue()
+        self.adds: list[AddRequest] = spec.add_requests(base_id, engine.gateway_id, self.arrival_time,
+                                                        priority, api_key_name)
+        self.choices: dict[str, Choice] = {}
+        for i, add in enumerate(self.adds):
+            p = i // spec.n
+            self.choices[add.req_id] = Choice(
+                index=i, req_id=add.req_id, prompt_index=p, max_tokens=add.stop.max_tokens,
+                num_prompt_tokens=len(add.prompt_token_ids),
+                stream=TextStream(tokenizer, add.prompt_token_ids, spec.stop_strings,
+                                  spec.include_stop_str_in_output, spec.min_tokens, spec.skip_special_tokens))
+        self.error: APIError | None = None
+        self.settled = False  # usage and logs were accounted (serving.py)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def submit(self) -> None:
+        try:
+            self.engine.submit(self.adds, self.queue)
+        except EngineUnavailable as e:
+            for c in self.choices.values():
+                c.finish_reason = "error"  # never reached the scheduler: nothing to abort
+            raise unavailable(f"the engine is not available: {e}", retry_after_s=1.0,
+                              code="scheduler_unavailable") from e
+
+    @property
+    def unfinished(self) -> list[Choice]:
+        return [c for c in self.choices.values() if c.finish_reason is None]
+
+    def close(self) -> None:
+        """Abort what has not finished (the client left or another choice failed); report all."""
+        left = self.unfinished
+        if left:
+            self.engine.abort([c.req_id for c in left])
+            for c in left:
+                c.finish_reason = "abort"
+        now = time.time()
+        for c in self.choices.values():
+            if not c.reported:
+                c.reported = True
+                self.metrics.on_request_finished(RequestRecord(
+                    req_id=c.req_id, priority=self.priority, finish_reason=c.finish_reason or "abort",
+                    num_prompt_tokens=c.num_prompt_tokens, num_output_tokens=c.num_output_tokens,
+                    num_cached_tokens=c.num_cached_tokens, arrival_time=self.arrival_time,
+                    first_token_time=c.first_token_time, finished_time=now, token_times=c.token_times,
+                    timings=c.timings, max_tokens=c.max_tokens, n=self.spec.n))
+
+    # -- events ----------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        while self.unfinished:
+            req_id, item = await self.queue.get()
+            choice = self.choices.get(req_id)
+            if choice is None or choice.finish_reason is not None:
+                continue  # a late delta of a choice already stopped by a stop string
+            if isinstance(item, RequestDelta):
+                event = self._on_delta(choice, item)
+                if event is not None:
+                    yield event
+            else:
+                self._fail(choice, item)
+
+    def _on_delta(self, c: Choice, delta: RequestDelta) -> ChoiceEvent | None:
+        now = time.time()
+        if delta.new_token_ids:
+            c.token_times.append(now)
+            if c.first_token_time is None:
+                c.first_token_time = now
+        c.num_cached_tokens = max(c.num_cached_tokens, delta.num_cached_tokens)
+        if delta.timings is not None:
+            c.timings = delta.timings
+        texts: list[str] = []
+        ids: list[int] = []
+        lps: list[SampleLogprobs] = []
+        for k, tid in enumerate(delta.new_token_ids):
+            texts.append(c.stream.push(tid))
+            ids.append(tid)
+            c.num_output_tokens += 1
+            if delta.logprobs is not None and k < len(delta.logprobs):
+                lps.append(delta.logprobs[k])
+            if c.stream.stopped:
+                break
+        if c.stream.stopped:
+            c.finish_reason = "stop"
+            if delta.finish_reason is None:  # the scheduler would go on: only the gateway sees text
+                self.engine.abort([c.req_id])
+            else:
+                self.engine.forget([c.req_id])
+        elif delta.finish_reason in ("stop", "length"):
+            texts.append(c.stream.finish())
+            c.finish_reason = "stop" if c.stream.stopped else delta.finish_reason
+            self.engine.forget([c.req_id])
+        elif delta.finish_reason is not None:
+            self._fail(c, delta)
+        if not texts and not lps and c.finish_reason is None:
+            return None
+        return ChoiceEvent(c.index, "".join(texts), ids, lps, c.finish_reason)
+
+    def _fail(self, c: Choice, item: RequestDelta | RequestRejected | EngineFailure) -> None:
+        """End the whole generation with the error this choice met."""
+        err = failure_error(item)
+        c.finish_reason = item.finish_reason if isinstance(item, RequestDelta) and item.finish_reason else "error"
+        self.engine.forget([c.req_id])
+        self.error = err
+        self.close()
+        raise err
+
+    # -- usage -----------------------------------------------------------------
+
+    def usage(self) -> dict[str, object]:
+        prompt_tokens = 0
+        cached = 0
+        for p in range(len(self.spec.prompts)):
+            group = [c for c in self.choices.values() if c.prompt_index == p]
+            prompt_tokens += group[0].num_prompt_tokens
+            # prompt tokens count once per prompt; so do the cached ones (best choice's hit)
+            cached += max(c.num_cached_tokens for c in group)
+        completion = sum(c.num_output_tokens for c in self.choices.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def failure_error(item: RequestDelta | RequestRejected | EngineFailure) -> APIError:
+    if isinstance(item, EngineFailure):
+        return unavailable(item.message, retry_after_s=1.0, code="scheduler_unavailable")
+    if isinstance(item, RequestRejected):
+        status, code = _REJECT_STATUS.get(item.reason, (503, item.reason or "rejected"))
+        headers = {"Retry-After": retry_after_header(item.retry_after_s)} if status in (429, 503) else None
+        return APIError(status, item.message or f"the request was refused ({item.reason})", code=code,
+                        headers=headers)
+    reason = item.finish_reason
+    if reason == "timeout":
+        return unavailable(item.error or "the request waited too long in the queue (queue timeout)",
+                           retry_after_s=1.0, code="queue_timeout")
+    if reason == "abort":
+        return unavailable(item.error or "the engine aborted the request", retry_after_s=1.0, code="aborted")
+    return APIError(500, item.error or f"the engine failed the request ({reason})", code="engine_error")

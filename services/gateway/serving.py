@@ -1,0 +1,235 @@
+"""POST /v1/completions and /v1/chat/completions: validate, admit, submit, answer.
+
+Order of checks: the body's schema (400), the model name (404), the request's
+meaning against the model (400: vocabulary, context length), admission (401 bad
+key, 429 rate limits), the engine (503 when the scheduler is down; 429 / 503 /
+400 when the scheduler refuses).
+
+Streams: the response headers wait up to ``STREAM_HEADER_WAIT_S`` for the first
+event, so a request the scheduler refuses at once (queue full) still gets a real
+429 status; a failure after the stream started is a final ``data: {"error": ...}``
+event followed by ``data: [DONE]``.
+
+Client disconnects abort the request in the scheduler, for streams (the response
+listens for ``http.disconnect`` while it writes) and for plain responses (the
+handler races the generation against the disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from services.gateway.auth import AdmissionError, Grant
+from services.gateway.errors import APIError
+from services.gateway.generation import ChoiceEvent, Generation
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.render import ChatRenderer, CompletionRenderer, Renderer, sse
+from services.gateway.state import GatewayState, state_of
+from services.gateway.validation import GenerationSpec, validate_chat, validate_completion
+
+log = logging.getLogger("ferry.gateway.requests")
+router = APIRouter()
+
+STREAM_HEADER_WAIT_S = 1.0
+# tokenizing a long prompt off the event loop keeps other streams flowing
+TOKENIZE_IN_THREAD_CHARS = 16_384
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, logs do
+T = TypeVar("T")
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    st = state_of(request)
+    size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(str(p)) for p in body.prompt)
+    spec = await _maybe_in_thread(size, lambda: validate_completion(body, st.tokenizer, st.limits()))
+    renderer = CompletionRenderer(st.tokenizer, f"cmpl-{uuid.uuid4().hex}", st.model_name, spec.num_choices,
+                                  spec.logprobs is not None)
+    return await _serve(st, request, spec, renderer, "completions")
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    st = state_of(request)
+    size = sum(len(m.text()) for m in body.messages)
+    spec = await _maybe_in_thread(size, lambda: validate_chat(body, st.tokenizer, st.limits()))
+    renderer = ChatRenderer(st.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", st.model_name, spec.num_choices,
+                            spec.logprobs is not None)
+    return await _serve(st, request, spec, renderer, "chat")
+
+
+async def _maybe_in_thread(size: int, fn: Callable[[], T]) -> T:
+    return await asyncio.to_thread(fn) if size > TOKENIZE_IN_THREAD_CHARS else fn()
+
+
+async def _admit(st: GatewayState, request: Request, spec: GenerationSpec) -> Grant:
+    try:
+        return await st.admission.authorize(request.headers.get("authorization"), spec.num_prompt_tokens,
+                                            spec.max_total_tokens)
+    except AdmissionError as e:
+        raise APIError(e.status, e.message, code=e.code, headers=e.headers, type_=e.type) from e
+
+
+async def _serve(st: GatewayState, request: Request, spec: GenerationSpec, renderer: Renderer,
+                 endpoint: str) -> Response:
+    grant = await _admit(st, request, spec)
+    priority = spec.priority if spec.priority is not None else (grant.priority or 0)
+    gen = Generation(st.engine, st.tokenizer, st.metrics, spec, renderer.id, priority, grant.key_name)
+    started = time.monotonic()
+    try:
+        gen.submit()
+    except APIError:
+        _settle(st, grant, gen, endpoint, started, "refused")
+        raise
+    if spec.stream:
+        return await _start_stream(st, request, gen, renderer, grant, endpoint, started)
+    outcome = "error"
+    try:
+        finished = await _unless_disconnected(request, _collect(gen, renderer))
+        if finished is None:
+            outcome = "client_closed"
+            return Response(status_code=CLIENT_CLOSED)
+        outcome = "ok"
+        return JSONResponse(finished, headers=grant.headers)
+    finally:
+        _settle(st, grant, gen, endpoint, started, outcome)
+
+
+async def _collect(gen: Generation, renderer: Renderer) -> dict[str, Any]:
+    async for ev in gen.events():
+        renderer.add(ev)
+    return renderer.response(gen.usage())
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run ``work``; None (and ``work`` cancelled) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
+def _settle(st: GatewayState, grant: Grant, gen: Generation, endpoint: str, started: float,
+            outcome: str) -> None:
+    """Abort leftovers, report metrics, reconcile token usage, log one line. Never awaits."""
+    if gen.settled:
+        return
+    gen.settled = True
+    gen.close()
+    usage = gen.usage()
+    produced = int(usage["completion_tokens"])  # type: ignore[call-overload]
+    used = int(usage["total_tokens"]) if produced else 0  # type: ignore[call-overload]
+    task = asyncio.get_running_loop().create_task(st.admission.record_usage(grant, used))
+    st.background.add(task)
+    task.add_done_callback(st.background.discard)
+    err = gen.error
+    log.info("request finished", extra={
+        "req_id": gen.base_id, "endpoint": endpoint,
+        "outcome": outcome if err is None else "error", "status": err.status if err else None,
+        "error_code": err.code if err else None, "key": grant.key_name, "priority": gen.priority,
+        "num_choices": len(gen.choices), "stream": gen.spec.stream,
+        "finish_reasons": sorted({c.finish_reason or "abort" for c in gen.choices.values()}),
+        "prompt_tokens": usage["prompt_tokens"], "completion_tokens": produced,
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],  # type: ignore[index]
+        "duration_s": round(time.monotonic() - started, 4)})
+
+
+class _DisconnectAwareStream(StreamingResponse):
+    """A stream that always watches for the client leaving, and always closes its iterator.
+
+    Starlette skips the disconnect listener on newer ASGI servers and relies on a
+    failing write; a request still queued writes nothing, so the watch is kept.
+    ``on_close`` runs however the stream ends (finished, client gone, error).
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                stream = tg.create_task(self.stream_response(send))
+                listen = tg.create_task(self.listen_for_disconnect(receive))
+                stream.add_done_callback(lambda _: listen.cancel())
+                listen.add_done_callback(lambda _: stream.cancel())
+        except* OSError:
+            pass  # the client went away mid-write
+        finally:
+            self._on_close()
+            aclose = getattr(self._content, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _start_stream(st: GatewayState, request: Request, gen: Generation, renderer: Renderer,
+                        grant: Grant, endpoint: str, started: float) -> Response:
+    events = gen.events().__aiter__()
+    first: asyncio.Future[ChoiceEvent] = asyncio.ensure_future(events.__anext__())  # type: ignore[arg-type]
+    outcome = {"value": "error"}
+    try:
+        early = await _unless_disconnected(request, asyncio.wait({first}, timeout=STREAM_HEADER_WAIT_S))
+        if early is None:
+            first.cancel()
+            _settle(st, grant, gen, endpoint, started, "client_closed")
+            return Response(status_code=CLIENT_CLOSED)
+        if first.done() and first.exception() is not None:
+            exc = first.exception()
+            _settle(st, grant, gen, endpoint, started, "refused")
+            assert exc is not None
+            raise exc  # a refusal before any output: a real HTTP status
+    except asyncio.CancelledError:
+        first.cancel()
+        _settle(st, grant, gen, endpoint, started, "client_closed")
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if isinstance(renderer, ChatRenderer):
+                for i in range(gen.spec.num_choices):
+                    yield sse(renderer.role_chunk(i))
+            yield sse(_chunk(renderer, gen, await first))
+            async for ev in events:
+                yield sse(_chunk(renderer, gen, ev))
+            if gen.spec.include_usage:
+                yield sse(renderer.usage_chunk(gen.usage()))
+            outcome["value"] = "ok"
+        except APIError as e:
+            st.metrics.on_rejected(e.code or str(e.status), e.status)
+            yield sse(e.body())
+        yield b"data: [DONE]\n\n"
+
+    def on_close() -> None:
+        if not first.done():
+            first.cancel()
+        if outcome["value"] != "ok" and gen.error is None and gen.unfinished:
+            outcome["value"] = "client_closed"
+        _settle(st, grant, gen, endpoint, started, outcome["value"])
+
+    return _DisconnectAwareStream(body(), on_close, headers=grant.headers)
+
+
+def _chunk(renderer: Renderer, gen: Generation, ev: ChoiceEvent) -> dict[str, Any]:
+    usage = gen.usage() if gen.spec.include_usage and gen.spec.continuous_usage else None
+    return renderer.chunk(ev, usage)

@@ -1,0 +1,245 @@
+"""Test support for the gateway (no tests here): a tiny tokenizer, a fake scheduler, a live server.
+
+- ``build_tiny_tokenizer(folder)``: a byte-level BPE trained in milliseconds on a
+  small corpus with accents, CJK and emoji (so tokens split UTF-8 characters),
+  with a ChatML template, in the folder layout the gateway loads.
+- ``FakeScheduler``: a real zmq ROUTER in a thread that speaks the scheduler's
+  side of the gateway protocol with deterministic tokens, records every message
+  (adds, aborts, heartbeats), and can refuse, hold, fail or die on demand.
+- ``GatewayServer``: the real gateway app under uvicorn on a free port, in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import zmq
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from shared.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineHealth,
+    EngineStats,
+    GatewayHeartbeat,
+    RequestDelta,
+    RequestDeltas,
+    RequestRejected,
+    RequestTimings,
+    SampleLogprobs,
+    TokenLogprob,
+    encode,
+    to_scheduler_decoder,
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "Hello world, the quick brown fox jumps over the lazy dog.",
+    "Héllo wörld! Ça va? Ünïcödé text with accents: é è ê ë à ç.",
+    "日本語のテキスト、中文文本，한국어 텍스트.",
+    "Emoji 🎉🚀👍🏽 and symbols ∑ ∞ ≠ → ✓.",
+    "stop here. STOP there!! end\n\nnew paragraph\n\n",
+] * 20
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MAX_MODEL_LEN = 256
+SCRIPT_TEXT = "Hello world, the quick brown fox! 日本語 🎉 end.\n\nMore text follows here."
+
+
+def build_tiny_tokenizer(folder: Path, max_position_embeddings: int = MAX_MODEL_LEN) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE}))
+    (folder / "config.json").write_text(json.dumps({
+        "vocab_size": tok.get_vocab_size(), "max_position_embeddings": max_position_embeddings,
+        "eos_token_id": 2, "bos_token_id": 1}))
+    return folder
+
+
+class FakeScheduler:
+    """The scheduler's half of the gateway protocol, with scripted behaviour."""
+
+    def __init__(self, endpoint: str, script: list[int], eos_id: int = 2, tick_s: float = 0.01) -> None:
+        self.endpoint = endpoint
+        self.script = script
+        self.eos_id = eos_id
+        self.tick_s = tick_s
+        self.adds: list[AddRequest] = []
+        self.aborts: list[str] = []
+        self.heartbeats: list[GatewayHeartbeat] = []
+        self.reject: tuple[str, float | None] | None = None  # (reason, retry_after_s) for new adds
+        self.hold = False  # accept but never generate (a long queue wait)
+        self.finish_now: str | None = None  # finish new requests at once with this reason
+        self.eos_after: int | None = None  # emit EOS as the N-th token (finish "stop")
+        self.cached_tokens = 0
+        self.workers_ready = [0]
+        self.lock = threading.Lock()
+        self._running: dict[str, dict[str, Any]] = {}
+        self._gateways: set[bytes] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def tokens_for(self, add: AddRequest) -> list[int]:
+        """The deterministic output of ``add`` (rotated by its seed), ignoring EOS."""
+        shift = (add.sampling.seed or 0) % len(self.script)
+        rotated = self.script[shift:] + self.script[:shift]
+        return [rotated[i % len(rotated)] for i in range(add.stop.max_tokens)]
+
+    def aborted(self) -> set[str]:
+        with self.lock:
+            return set(self.aborts)
+
+    # -- loop --------------------------------------------------------------------
+
+    def _send(self, gw: bytes, msg: Any) -> None:
+        self._sock.send_multipart([gw, encode(msg)])
+
+    def _health(self) -> EngineHealth:
+        return EngineHealth(time=time.time(), scheduler_ready=True, num_workers=1,
+                            workers_ready=list(self.workers_ready), model="tiny",
+                            max_model_len=MAX_MODEL_LEN, block_size=16, detail="fake")
+
+    def _run(self) -> None:
+        next_stats = 0.0
+        while not self._stop.is_set():
+            if self._sock.poll(int(self.tick_s * 1000)):
+                while True:
+                    try:
+                        gw, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_message(gw, to_scheduler_decoder.decode(payload))
+            self._step()
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + 0.1
+                for gw in self._gateways:
+                    self._send(gw, self._health())
+                    self._send(gw, EngineStats(time=time.time(), num_running=len(self._running), num_waiting=0,
+                                               num_kv_blocks_total=64, num_kv_blocks_free=64, kv_usage=0.0,
+                                               config={"max_num_seqs": "4"}))
+
+    def _on_message(self, gw: bytes, msg: Any) -> None:
+        if gw not in self._gateways:
+            self._gateways.add(gw)
+            self._send(gw, self._health())
+        with self.lock:
+            if isinstance(msg, GatewayHeartbeat):
+                self.heartbeats.append(msg)
+            elif isinstance(msg, AbortRequest):
+                self.aborts.extend(msg.req_ids)
+                for rid in msg.req_ids:
+                    self._running.pop(rid, None)
+            elif isinstance(msg, AddRequest):
+                self.adds.append(msg)
+                self._on_add(gw, msg)
+
+    def _on_add(self, gw: bytes, add: AddRequest) -> None:
+        if self.reject is not None:
+            reason, retry = self.reject
+            self._send(gw, RequestRejected(add.req_id, reason, f"refused: {reason}", retry))
+            return
+        if self.finish_now is not None:
+            self._send(gw, RequestDeltas(0, [RequestDelta(add.req_id, finish_reason=self.finish_now,
+                                                          error=f"fake {self.finish_now}")]))
+            return
+        self._running[add.req_id] = {"gw": gw, "add": add, "tokens": self.tokens_for(add), "pos": 0}
+
+    def _step(self) -> None:
+        if self.hold:
+            return
+        out: dict[bytes, list[RequestDelta]] = {}
+        with self.lock:
+            for rid, r in list(self._running.items()):
+                out.setdefault(r["gw"], []).append(self._advance(rid, r))
+        for gw, deltas in out.items():
+            self._send(gw, RequestDeltas(0, deltas))
+
+    def _advance(self, rid: str, r: dict[str, Any]) -> RequestDelta:
+        add: AddRequest = r["add"]
+        pos = r["pos"]
+        tid = r["tokens"][pos]
+        finish = None
+        if self.eos_after is not None and pos + 1 == self.eos_after and not add.stop.ignore_eos:
+            tid, finish = self.eos_id, "stop"
+        r["pos"] = pos + 1
+        if finish is None and r["pos"] >= add.stop.max_tokens:
+            finish = "length"
+        if finish is not None:
+            del self._running[rid]
+        lps = None
+        if add.sampling.logprobs is not None:
+            top = [TokenLogprob(tid, -0.25)] + [TokenLogprob(t, -2.0 - t / 1000) for t in range(3, 3 + 19)]
+            lps = [SampleLogprobs(TokenLogprob(tid, -0.25), top[:add.sampling.logprobs])]
+        now = time.time()
+        timings = RequestTimings(arrival_time=add.arrival_time, first_scheduled_time=add.arrival_time,
+                                 first_token_time=now, finished_time=now if finish else None)
+        return RequestDelta(rid, [tid], lps, finish, stop_token_id=tid if finish == "stop" else None,
+                            num_prompt_tokens=len(add.prompt_token_ids), num_cached_tokens=self.cached_tokens,
+                            timings=timings if pos == 0 or finish else None)
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class GatewayServer:
+    """Run an ASGI app under uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = free_socket()
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> GatewayServer:
+        self.thread.start()
+        wait_until(lambda: self.server.started, 10, "uvicorn did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def wait_until(cond: Callable[[], Any], timeout_s: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}")
