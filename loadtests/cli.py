@@ -1,0 +1,226 @@
+"""``ferry bench`` (also ``python -m loadtests``): run, sweep, experiment, generate.
+
+- ``run``: a trace at each listed offered rate against a running server;
+  writes DIR/board.md, DIR/results.json, PNG plots, the trace and the
+  per-request records.
+- ``sweep``: the same, rates ascending, stopping by itself after the first
+  rate that breaks the SLO; reports the highest rate that met it.
+- ``experiment FILE``: start the server per configuration (baseline and
+  one-knob variants), run the same trace at the same rates, write the board
+  and one decision record per variant.
+- ``generate``: write a scenario's trace file (to inspect it, or to replay it
+  later with ``--trace``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadtests.arrivals import ARRIVALS, ArrivalSpec
+from loadtests.scenarios import SCENARIO_NAMES, parse_overrides
+from loadtests.textgen import DEFAULT_TOKENIZER
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("values must be positive")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in _floats(text)]
+
+
+def _add_traffic_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("traffic")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--scenario", choices=SCENARIO_NAMES, help="built-in scenario (default: chat)")
+    src.add_argument("--trace", type=Path, help="replay a JSONL trace file instead of a scenario")
+    g.add_argument("--seed", type=int, default=0, help="scenario and arrival seed")
+    g.add_argument("--num-requests", type=int, default=0, help="trace length (0: enough for the longest run)")
+    g.add_argument("--scenario-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario option, e.g. prompt_tokens=32:64 or cancel_fraction=0.5")
+    g.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
+                   help="tokenizer for prompt lengths: built-in model name, model folder, .gguf, or tokenizer.json folder")
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load")
+    g.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    g.add_argument("--model", default="", help="model name to send ('': the first one /v1/models lists)")
+    g.add_argument("--api-key", default="", help="bearer token, if the server wants one")
+    g.add_argument("--duration", type=float, default=30.0, help="seconds of sending per run")
+    g.add_argument("--arrival", choices=("auto", *ARRIVALS), default="auto",
+                   help="auto: the trace's own timestamps for agent-rag, mixed and --trace, else poisson")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson, <1: burstier)")
+    g.add_argument("--concurrency", type=_ints, default=[], help="closed loop: in-flight levels, e.g. 1,4,16")
+    g.add_argument("--max-concurrency", type=int, default=0, help="cap on in-flight requests in the open loop")
+    g.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as a timeout")
+    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so outputs reach max_tokens")
+    g.add_argument("--warmup", type=int, default=1, help="requests sent one by one before measuring")
+    g.add_argument("--cooldown", type=float, default=1.0, help="seconds between runs")
+    g.add_argument("--out", type=Path, required=True, help="output folder")
+    g.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    s = p.add_argument_group("targets and cost")
+    s.add_argument("--goodput", default="", help="per-request SLOs for goodput, e.g. ttft:500,tpot:50,e2el:5000 (ms)")
+    s.add_argument("--slo-ttft-p95-ms", type=float, help="run target: p95 TTFT")
+    s.add_argument("--slo-e2e-p95-ms", type=float, help="run target: p95 end-to-end latency")
+    s.add_argument("--slo-error-rate", type=float, help="run target: share of requests that fail")
+    s.add_argument("--slo-queue-p95-ms", type=float, help="run target: p95 server queue time")
+    s.add_argument("--price-per-gpu-hour", type=float, help="for the cost per accepted answer")
+    s.add_argument("--num-gpus", type=int, default=1)
+    m = p.add_argument_group("server metrics")
+    m.add_argument("--metrics-url", default="", help="Prometheus endpoint ('': BASE_URL/metrics)")
+    m.add_argument("--no-server-metrics", action="store_true", help="do not scrape the server")
+    m.add_argument("--metric-name", action="append", default=[], metavar="KIND=NAME[,NAME]",
+                   help="metric names to read (kinds: queue_time, preemptions, running, waiting, memory)")
+    m.add_argument("--sample-interval", type=float, default=0.5, help="seconds between /metrics samples")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="a trace at each listed rate against a running server")
+    _add_traffic_args(run)
+    _add_load_args(run)
+    run.add_argument("--rates", type=_floats, default=[], help="offered req/s, e.g. 0.5,1,2")
+    sweep = sub.add_parser("sweep", help="rates ascending until the SLO breaks")
+    _add_traffic_args(sweep)
+    _add_load_args(sweep)
+    sweep.add_argument("--rates", type=_floats, default=[], help="explicit rates (else --start/--factor/--max-rate)")
+    sweep.add_argument("--start", type=float, default=0.25)
+    sweep.add_argument("--factor", type=float, default=2.0)
+    sweep.add_argument("--max-rate", type=float, default=64.0)
+    exp = sub.add_parser("experiment", help="baseline and one-knob variants from a TOML file")
+    exp.add_argument("file", type=Path)
+    exp.add_argument("--out", type=Path, default=None, help="output folder (default: bench-results/<file stem>)")
+    exp.add_argument("--quiet", action="store_true")
+    gen = sub.add_parser("generate", help="write a scenario's trace file")
+    _add_traffic_args(gen)
+    gen.add_argument("--out", type=Path, required=True, help="trace file to write (.jsonl)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(args_list)
+    # A SIGTERM unwinds like Ctrl-C, so servers started by an experiment are stopped.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    command = ["ferry", "bench", *args_list]
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "experiment":
+            return _experiment(args, command)
+        return _bench(args, command)
+    except KeyboardInterrupt:
+        print("ferry bench: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"ferry bench: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _log(quiet: bool) -> Any:
+    def log(message: str) -> None:
+        if not quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    return log
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from loadtests.bench import load_or_generate
+    from loadtests.trace import write_trace
+
+    scenario = args.scenario or "chat"
+    trace = load_or_generate(args.trace, scenario, args.seed, args.tokenizer, args.num_requests or 100,
+                             parse_overrides(args.scenario_opt))
+    digest = write_trace(trace, args.out)
+    print(f"{args.out}: {len(trace.requests)} requests, sha256 {digest}")
+    return 0
+
+
+def _experiment(args: argparse.Namespace, command: list[str]) -> int:
+    from loadtests.experiment import load_experiment, run_experiment
+
+    experiment = load_experiment(args.file)
+    out = args.out or Path("bench-results") / args.file.stem
+    results = run_experiment(experiment, out, args.quiet, command, _log(args.quiet))
+    for decision in results["decisions"]:
+        print(f"{decision['variant']}: {decision['verdict']}")
+    print(f"board: {out / 'board.md'}")
+    return 0
+
+
+def _bench(args: argparse.Namespace, command: list[str]) -> int:
+    from loadtests.bench import (
+        BenchJob,
+        bench_meta,
+        load_or_generate,
+        requests_needed,
+        run_config,
+        sweep_rates,
+    )
+    from loadtests.client import ClientConfig, discover_model_sync
+    from loadtests.metrics import CostModel, GoodputSLO, RunSLO
+    from loadtests.report import write_results
+    from loadtests.runner import BenchSettings, warmup
+    from loadtests.scrape import MetricNames
+    from loadtests.trace import write_trace
+
+    log = _log(args.quiet)
+    scenario = None if args.trace else (args.scenario or "chat")
+    kind = args.arrival
+    if kind == "auto":
+        kind = "trace" if args.trace or scenario in ("agent-rag", "mixed") else "poisson"
+    arrival = ArrivalSpec(kind, args.burstiness, args.seed)
+    rates = list(args.rates)
+    if args.command == "sweep" and not rates and kind != "closed":
+        rates = sweep_rates(args.start, args.factor, args.max_rate)
+    num = args.num_requests or requests_needed(arrival, rates, args.concurrency, args.duration)
+    trace = load_or_generate(args.trace, scenario, args.seed, args.tokenizer, num, parse_overrides(args.scenario_opt))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_trace(trace, args.out / "trace.jsonl")
+    model = args.model or discover_model_sync(args.base_url, args.api_key)
+    goodput = GoodputSLO.parse(args.goodput) if args.goodput else GoodputSLO()
+    slo = RunSLO(args.slo_ttft_p95_ms, args.slo_e2e_p95_ms, args.slo_error_rate, args.slo_queue_p95_ms)
+    cost = CostModel(args.price_per_gpu_hour, args.num_gpus)
+    settings = BenchSettings(
+        ClientConfig(args.base_url, model, args.api_key, args.request_timeout, ignore_eos=args.ignore_eos),
+        metrics_url=None if args.no_server_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics"),
+        metric_names=MetricNames.with_overrides(args.metric_name),
+        sample_interval_s=args.sample_interval, goodput=goodput, slo=slo, cost=cost, quiet=args.quiet,
+        records_dir=args.out / "requests",
+    )
+    job = BenchJob(trace, args.duration, arrival, tuple(rates), tuple(args.concurrency),
+                   args.max_concurrency or None, stop_on_slo=args.command == "sweep", cooldown_s=args.cooldown)
+    job.plans()  # validate before touching the server
+    from loadtests.bench import server_info
+
+    meta = bench_meta(command, trace, {
+        "title": f"ferry bench {args.command}: {scenario or args.trace}",
+        "base_url": args.base_url, "model": model, "server": server_info(args.base_url, args.api_key),
+        "arrival": kind if kind != "gamma" else f"gamma(burstiness={args.burstiness:g})",
+        "slo": vars(slo), "goodput": vars(goodput), "cost": vars(cost),
+    })
+    warmup(trace, settings, args.warmup)
+    config = run_config("run", job, settings, log)
+    written = write_results({"meta": meta, "configs": [config]}, args.out)
+    print(f"board: {written['board']}")
+    if args.command == "sweep":
+        best = config["sweep"]["max_rate_meeting_slo"]
+        print(f"highest rate meeting the SLO: {'none' if best is None else f'{best:g}'}")
+    return 0

@@ -1,0 +1,256 @@
+"""One streamed request against any OpenAI-compatible server, timed per chunk.
+
+The timing rules follow ``vllm bench serve``: the clock starts just before the
+request is sent; the first chunk that carries generated text marks the time to
+first token; every later text-bearing chunk adds one inter-token gap. Output
+tokens come from the server's ``usage`` (``stream_options.include_usage``)
+when it reports them, else one per text chunk.
+
+A request whose trace line has ``cancel_after`` is closed by the client after
+that many tokens: it is recorded as ``cancelled``, never as a completion or an
+error. Failures are split by kind: HTTP 429, HTTP 503, client-side timeouts,
+and everything else (including error events inside an open stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from loadtests.trace import TraceRequest
+
+ERROR_KINDS = ("429", "503", "timeout", "other")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    base_url: str
+    model: str
+    api_key: str = ""
+    request_timeout_s: float = 300.0
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    """Send vLLM's ``ignore_eos`` so every request produces max_tokens (not every server accepts it)."""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + path
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass
+class RequestRecord:
+    req_id: str
+    group: str
+    sent_s: float = 0.0
+    """Send time, seconds from the run's start."""
+    status: str = "error"
+    """'ok' (completed), 'cancelled' (closed by the client on purpose) or 'error'."""
+    error_kind: str | None = None
+    error: str | None = None
+    http_status: int | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    queue_time_s: float | None = None
+    """Queue time the server reported for this request, if it does."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["itl_s"] = [round(x, 6) for x in self.itl_s]
+        return out
+
+
+def request_body(request: TraceRequest, config: ClientConfig) -> tuple[str, dict[str, Any]]:
+    """The endpoint path and JSON body for one trace request."""
+    body: dict[str, Any] = {
+        "model": config.model,
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": config.temperature,
+    }
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(config.extra_body)
+    if request.messages is not None:
+        body["messages"] = request.messages
+        return "/v1/chat/completions", body
+    body["prompt"] = request.prompt
+    return "/v1/completions", body
+
+
+def classify_status(status: int) -> str:
+    if status == 429:
+        return "429"
+    if status == 503:
+        return "503"
+    if status in (408, 504):
+        return "timeout"
+    return "other"
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return str(delta.get("content") or "")
+    return str(choice.get("text") or "")
+
+
+def server_queue_time(chunk: dict[str, Any]) -> float | None:
+    """Per-request queue time a server returns, in seconds, from the places servers put it."""
+    usage = chunk.get("usage") or {}
+    timings = chunk.get("timings") or chunk.get("ferry") or {}
+    for source, key, scale in (
+        (timings, "queue_time_s", 1.0),
+        (usage, "queue_time_s", 1.0),
+        (usage, "queue_wait_time_in_ms", 1e-3),
+        (timings, "queue_ms", 1e-3),
+    ):
+        if isinstance(source, dict) and isinstance(source.get(key), int | float):
+            return float(source[key]) * scale
+    return None
+
+
+class _StreamState:
+    """What one stream has produced so far."""
+
+    def __init__(self, record: RequestRecord, start: float, cancel_after: int | None) -> None:
+        self.record, self.start, self.cancel_after = record, start, cancel_after
+        self.last = start
+        self.num_chunks = 0
+        self.done = False
+
+    def on_chunk(self, chunk: dict[str, Any], now: float) -> bool:
+        """Fold one SSE chunk in; True when the client should stop reading."""
+        record = self.record
+        if isinstance(chunk.get("error"), dict):
+            err = chunk["error"]
+            code = err.get("code")
+            record.error_kind = classify_status(code) if isinstance(code, int) else "other"
+            record.error = str(err.get("message") or err)[:500]
+            return True
+        if _chunk_text(chunk):
+            if record.ttft_s is None:
+                record.ttft_s = now - self.start
+            else:
+                record.itl_s.append(now - self.last)
+            self.last = now
+            self.num_chunks += 1
+        for choice in chunk.get("choices") or []:
+            if choice.get("finish_reason"):
+                record.finish_reason = str(choice["finish_reason"])
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("completion_tokens"), int):
+                record.output_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                record.prompt_tokens = usage["prompt_tokens"]
+        queue = server_queue_time(chunk)
+        if queue is not None:
+            record.queue_time_s = queue
+        return self.cancel_after is not None and self.num_chunks >= self.cancel_after
+
+
+async def send_request(
+    client: httpx.AsyncClient, request: TraceRequest, config: ClientConfig, run_start: float
+) -> RequestRecord:
+    """Send one request, stream it to the end (or to its cancel point), and time it."""
+    path, body = request_body(request, config)
+    record = RequestRecord(request.id, request.group, prompt_tokens=request.prompt_tokens)
+    start = time.perf_counter()
+    record.sent_s = start - run_start
+    state = _StreamState(record, start, request.cancel_after)
+    try:
+        # A total deadline: httpx's own timeouts only bound each read.
+        async with asyncio.timeout(config.request_timeout_s):
+            async with client.stream("POST", config.url(path), json=body, headers=config.headers()) as response:
+                record.http_status = response.status_code
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    record.error_kind = classify_status(response.status_code)
+                    record.error = _error_message(text)
+                    return _finish(record, state, time.perf_counter())
+                stopped = await _read_stream(response, state)
+                if stopped and record.error_kind is None:
+                    record.status = "cancelled"
+    except (httpx.TimeoutException, TimeoutError) as exc:
+        record.error_kind, record.error = "timeout", f"{type(exc).__name__}: no answer within {config.request_timeout_s}s"
+    except httpx.HTTPError as exc:
+        record.error_kind, record.error = "other", f"{type(exc).__name__}: {exc}"[:500]
+    return _finish(record, state, time.perf_counter())
+
+
+async def _read_stream(response: httpx.Response, state: _StreamState) -> bool:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            state.done = True
+            return False
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError:
+            state.record.error_kind, state.record.error = "other", f"bad SSE payload: {payload[:200]}"
+            return False
+        if state.on_chunk(chunk, time.perf_counter()):
+            return True
+    return False
+
+
+def _finish(record: RequestRecord, state: _StreamState, now: float) -> RequestRecord:
+    record.latency_s = now - state.start
+    if record.status == "cancelled":
+        record.output_tokens = state.num_chunks
+        return record
+    if record.error_kind is None:
+        if state.done or record.finish_reason is not None:
+            record.status = "ok"
+            if record.output_tokens == 0:
+                record.output_tokens = state.num_chunks
+        else:
+            record.error_kind, record.error = "other", "the stream ended without a finish reason or [DONE]"
+    return record
+
+
+def _error_message(text: str) -> str:
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:500]
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return str(parsed["error"].get("message", parsed["error"]))[:500]
+    if isinstance(parsed, dict) and "detail" in parsed:
+        return str(parsed["detail"])[:500]
+    return text[:500]
+
+
+async def discover_model(base_url: str, api_key: str = "", timeout_s: float = 10.0) -> str:
+    """The first model id the server lists at /v1/models."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        response = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        response.raise_for_status()
+        data = response.json().get("data") or []
+    if not data:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+    return str(data[0]["id"])
+
+
+def discover_model_sync(base_url: str, api_key: str = "") -> str:
+    return asyncio.run(discover_model(base_url, api_key))

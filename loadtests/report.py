@@ -1,0 +1,254 @@
+"""The evaluation board (markdown), results.json, and the PNG plots.
+
+Everything a reader needs to repeat the comparison goes at the top of the
+board: the exact command, the server configuration, the trace's content hash
+and version, the arrival process, the targets. Then one row per run with the
+columns the method asks for, the other measures, and a table per scenario
+group when the trace mixes groups. Missing server measures show as "n/a".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import ScalarFormatter  # noqa: E402
+
+RESULTS_VERSION = 1
+
+MAIN_COLUMNS: list[tuple[str, str, str]] = [
+    ("offered req/s", "offered_rps", "{:.2f}"),
+    ("completed req/s", "completed_rps", "{:.2f}"),
+    ("p95 TTFT ms", "ttft_p95_ms", "{:.0f}"),
+    ("p95 queue ms", "queue_p95_ms", "{:.0f}"),
+    ("p95 end-to-end ms", "e2e_p95_ms", "{:.0f}"),
+    ("error rate", "error_rate", "{:.3f}"),
+    ("preemptions", "preemptions", "{:.0f}"),
+]
+OTHER_COLUMNS: list[tuple[str, str, str]] = [
+    ("output tok/s", "output_tok_s", "{:.1f}"),
+    ("TTFT p50/p99 ms", "ttft_p50_ms|ttft_p99_ms", "{:.0f}"),
+    ("ITL p95 ms", "itl_p95_ms", "{:.1f}"),
+    ("TPOT mean/p95 ms", "tpot_mean_ms|tpot_p95_ms", "{:.1f}"),
+    ("done/cancel/err", "completed|cancelled|errors", "{:.0f}"),
+    ("err 429/503/timeout/other", "errors_429|errors_503|errors_timeout|errors_other", "{:.0f}"),
+    ("peak server MiB", "peak_memory_mib", "{:.0f}"),
+    ("goodput req/s", "goodput_rps", "{:.2f}"),
+    ("cost per accepted", "cost_per_accepted", "{:.6f}"),
+]
+
+
+def fmt(value: Any, pattern: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return pattern.format(value)
+
+
+def cell(summary: dict[str, Any], keys: str, pattern: str) -> str:
+    values = dict(summary)
+    if values.get("peak_memory_bytes") is not None:
+        values["peak_memory_mib"] = values["peak_memory_bytes"] / 2**20
+    return " / ".join(fmt(values.get(k), pattern) for k in keys.split("|"))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def all_runs(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(config["name"], run) for config in results["configs"] for run in config["runs"]]
+
+
+def render_board(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    lines = [f"# {meta.get('title', 'Load test')}", ""]
+    lines += [f"- command: `{meta.get('command', '')}`", f"- started: {meta.get('started_at', '')}"]
+    trace = meta.get("trace", {})
+    lines.append(
+        f"- trace: {trace.get('scenario', trace.get('path', '?'))} seed {trace.get('seed', 'n/a')}, "
+        f"{trace.get('num_requests')} requests, sha256 `{trace.get('sha256', '')[:16]}`, "
+        f"format v{trace.get('format_version')}, tokenizer {trace.get('tokenizer', 'n/a')}"
+    )
+    for key in ("base_url", "model", "arrival", "slo", "goodput", "cost", "host"):
+        if meta.get(key) not in (None, "", {}):
+            lines.append(f"- {key}: {json.dumps(meta[key]) if isinstance(meta[key], dict) else meta[key]}")
+    for config in results["configs"]:
+        if config.get("server"):
+            lines.append(f"- server `{config['name']}`: `{config['server'].get('command', '')}`")
+        if config.get("sweep", {}).get("checked"):
+            sweep = config["sweep"]
+            lines.append(
+                f"- sweep `{config['name']}`: highest rate meeting the SLO: "
+                f"{fmt(sweep.get('max_rate_meeting_slo'), '{:g}')} req/s"
+                + (f"; stopped at {sweep['stopped_at']:g} req/s ({'; '.join(sweep['broken'])})"
+                   if sweep.get("stopped_at") is not None else "")
+            )
+    runs = all_runs(results)
+    lines += ["", "## Evaluation board", ""]
+    lines += _table(
+        ["run", *[c[0] for c in MAIN_COLUMNS]],
+        [[_run_label(c, r), *[cell(r["summary"], k, p) for _, k, p in MAIN_COLUMNS]] for c, r in runs],
+    )
+    lines += ["", "## Other measures", ""]
+    lines += _table(
+        ["run", *[c[0] for c in OTHER_COLUMNS], "SLO"],
+        [
+            [_run_label(c, r), *[cell(r["summary"], k, p) for _, k, p in OTHER_COLUMNS],
+             "met" if not r["slo_violations"] else "missed: " + "; ".join(r["slo_violations"])]
+            for c, r in runs
+        ],
+    )
+    grouped = [(c, r) for c, r in runs if r.get("groups")]
+    if grouped:
+        lines += ["", "## By scenario group", ""]
+        group_cols = [MAIN_COLUMNS[1], MAIN_COLUMNS[2], MAIN_COLUMNS[4], MAIN_COLUMNS[5], OTHER_COLUMNS[4]]
+        rows = [
+            [_run_label(c, r), g, *[cell(s, k, p) for _, k, p in group_cols]]
+            for c, r in grouped
+            for g, s in r["groups"].items()
+        ]
+        lines += _table(["run", "group", *[c[0] for c in group_cols]], rows)
+    for decision in results.get("decisions", []):
+        lines += ["", render_decision(decision)]
+    lines += ["", "Definitions: docs/loadtests.md (TTFT, TPOT, ITL and goodput as in `vllm bench serve`).", ""]
+    return "\n".join(lines)
+
+
+def _run_label(config: str, run: dict[str, Any]) -> str:
+    return run["name"] if config in ("", "run") else f"{config} {run['name']}"
+
+
+def render_decision(decision: dict[str, Any]) -> str:
+    lines = [f"## Decision record: {decision['variant']}", ""]
+    for label, key in (
+        ("hypothesis", "hypothesis"),
+        ("changed parameter", "changed_parameter"),
+        ("input set", "input_set"),
+        ("pass condition", "pass_condition"),
+        ("measured outcome", "measured_outcome"),
+        ("verdict", "verdict"),
+    ):
+        value = decision.get(key)
+        text = json.dumps(value) if isinstance(value, dict | list) else str(value)
+        lines.append(f"- **{label}**: {text}")
+    return "\n".join(lines)
+
+
+def write_results(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """board.md, results.json and the plots; returns what was written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {"results": out_dir / "results.json", "board": out_dir / "board.md"}
+    results = {"tool": "ferry-loadtests", "results_version": RESULTS_VERSION, **results}
+    written["results"].write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    written["board"].write_text(render_board(results), encoding="utf-8")
+    written.update(write_plots(results, out_dir))
+    for decision in results.get("decisions", []):
+        path = out_dir / f"decision-{slug(decision['variant'])}.md"
+        path.write_text(render_decision(decision) + "\n", encoding="utf-8")
+        written[f"decision:{decision['variant']}"] = path
+    return written
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "run"
+
+
+def write_plots(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    written: dict[str, Path] = {}
+    configs = [(c["name"], c["runs"]) for c in results["configs"] if c["runs"]]
+    if not configs:
+        return written
+    written["latency_plot"] = _vs_rate_plot(
+        configs, out_dir / "latency_vs_rate.png", "latency against offered rate", "ms",
+        [("ttft_p50_ms", "TTFT p50"), ("ttft_p95_ms", "TTFT p95"), ("ttft_p99_ms", "TTFT p99"),
+         ("e2e_p95_ms", "end-to-end p95"), ("itl_p95_ms", "ITL p95"), ("queue_p95_ms", "queue p95")],
+        log_y=True,
+    )
+    written["throughput_plot"] = _vs_rate_plot(
+        configs, out_dir / "throughput_vs_rate.png", "throughput against offered rate", "req/s",
+        [("completed_rps", "completed req/s"), ("goodput_rps", "goodput req/s")],
+        second=("output_tok_s", "output tok/s"),
+    )
+    for config, runs in configs:
+        for run in runs:
+            name = slug(f"{config}-{run['name']}" if config not in ("", "run") else run["name"])
+            written[f"timeline:{name}"] = _timeline_plot(run, out_dir / f"timeline-{name}.png", name)
+    return written
+
+
+def _vs_rate_plot(
+    configs: list[tuple[str, list[dict[str, Any]]]],
+    path: Path,
+    title: str,
+    unit: str,
+    series: list[tuple[str, str]],
+    log_y: bool = False,
+    second: tuple[str, str] | None = None,
+) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax2 = ax.twinx() if second else None
+    multi = len(configs) > 1
+    plotted = False
+    for config, runs in configs:
+        runs = sorted(runs, key=lambda r: r["summary"]["offered_rps"] or 0.0)
+        xs = [r["summary"]["offered_rps"] for r in runs]
+        for key, label in series:
+            ys = [r["summary"].get(key) for r in runs]
+            if any(y is not None for y in ys):
+                plotted = plotted or any(y is not None and y > 0 for y in ys)
+                ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o",
+                        label=f"{config}: {label}" if multi else label)
+        if ax2 is not None and second is not None:
+            ys = [r["summary"].get(second[0]) for r in runs]
+            ax2.plot(xs, [math.nan if y is None else y for y in ys], linestyle="--", marker="x", color="gray",
+                     label=f"{config}: {second[1]}" if multi else second[1])
+    if log_y and plotted:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("offered req/s")
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if ax2 is not None:
+        ax2.set_ylabel(second[1] if second else "")
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    if handles:
+        ax.legend(handles, labels, fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _timeline_plot(run: dict[str, Any], path: Path, title: str) -> Path:
+    series = run.get("series") or {}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for key, label in (("running", "server running"), ("waiting", "server waiting")):
+        ys = series.get(key) or []
+        if any(y is not None for y in ys):
+            ax.step(series.get("t_s") or [], [math.nan if y is None else y for y in ys], where="post", label=label)
+    server = bool(ax.get_lines())
+    if series.get("client_t_s"):
+        ax.step(series["client_t_s"], series["client_in_flight"], where="post", label="client in flight",
+                color="gray", alpha=0.7)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("requests")
+    ax.set_title(f"{title}: running and waiting over time" + ("" if server else " (server gauges n/a)"))
+    ax.grid(True, alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
