@@ -45,7 +45,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_nothing(tiny_model_dir: Pa
         assert roles == {"scheduler": 1, "worker": 1, "gateway": 1}
         assert any("redis-server" in " ".join(p.cmdline()) for p in serve.descendants())
 
-        body = {"model": serve.model, "prompt": "Drain me", "max_tokens": 200, "stream": True,
+        body = {"model": serve.model, "prompt": "Drain me", "max_tokens": 1000, "stream": True,
                 "temperature": 0.0, "ignore_eos": True}
         lines: list[str] = []
         first = threading.Event()
@@ -61,11 +61,14 @@ def test_sigterm_drains_in_flight_requests_and_leaves_nothing(tiny_model_dir: Pa
         reader.start()
         assert first.wait(60), serve.log()
         tree = serve.descendants()
+        num_before = len(lines)
         assert serve.stop(signal.SIGTERM, timeout_s=90) == 0, serve.log()
         reader.join(timeout=30)
         # The stream that was running when SIGTERM came finished normally.
-        assert lines and lines[-1] == "data: [DONE]", lines[-3:]
-        assert any('"finish_reason":"length"' in line.replace(" ", "") for line in lines)
+        assert len(lines) > num_before + 10, "the stream should still have been running at SIGTERM"
+        events = [line for line in lines if line]
+        assert events and events[-1] == "data: [DONE]", events[-3:]
+        assert any('"finish_reason":"length"' in line.replace(" ", "") for line in events)
         assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert processes_using(serve.runtime_dir) == []
         assert http_status(f"{serve.base_url}/health") is None
