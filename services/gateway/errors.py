@@ -75,8 +75,22 @@ def retry_after_header(seconds: float | None) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names the union member an error came from inside ``loc`` ('str', 'list[int]')."""
+    return part in _TYPE_NAMES or "[" in part or "-" in part
+
+
 def _loc_to_param(loc: Sequence[Any]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts: list[str] = []
+    for p in loc:
+        if p in ("body", "query", "path"):
+            continue
+        if isinstance(p, str) and _is_union_tag(p):
+            continue
+        parts.append(str(p))
     if not parts:
         return None
     out = parts[0]
@@ -85,19 +99,26 @@ def _loc_to_param(loc: Sequence[Any]) -> str | None:
     return out
 
 
+def _most_telling(errors: Sequence[Any]) -> Any:
+    """Of a union's failed members, the error that is not just "wrong type" says most."""
+    for e in errors:
+        if not str(e.get("type", "")).endswith("_type"):
+            return e
+    return errors[0]
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request body")
-    first = errors[0]
-    param = _loc_to_param(first.get("loc", ()))
+    first = _most_telling(errors)
     if first.get("type") == "json_invalid":
         return bad_request("the request body is not valid JSON", code="invalid_json")
+    param = _loc_to_param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
     if param is None:
         return bad_request(f"invalid request body: {msg}")
-    extra = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return bad_request(f"{param}: {msg}{extra}", param=param)
+    return bad_request(f"{param}: {msg}", param=param)
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError], None] | None = None) -> None:

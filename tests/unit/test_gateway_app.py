@@ -1,0 +1,246 @@
+"""The gateway process's app against a fake scheduler over real zmq and HTTP sockets.
+
+One uvicorn server for the module; each test gets a fresh ``FakeScheduler`` bound
+to the same ipc endpoint, so every test also exercises the gateway reconnecting.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.gateway.app import build_app
+from services.gateway.tokenizer import GatewayTokenizer
+from shared.config import GatewayConfig
+from tests.unit.test_gateway_support import (
+    SCRIPT_TEXT,
+    FakeScheduler,
+    GatewayServer,
+    build_tiny_tokenizer,
+    wait_until,
+)
+
+
+class Env:
+    def __init__(self, tmp: Path) -> None:
+        folder = build_tiny_tokenizer(tmp / "tok")
+        self.tok = GatewayTokenizer(folder)
+        self.endpoint = f"ipc://{tmp}/gateway.sock"
+        self.script = self.tok.encode(SCRIPT_TEXT, add_special_tokens=False)
+        cfg = GatewayConfig(model=str(folder), served_model_name="tiny", scheduler_endpoint=self.endpoint,
+                            heartbeat_interval_s=0.2, scheduler_timeout_s=2.0)
+        self.app = build_app(cfg, self.tok)
+        self.server = GatewayServer(self.app)
+        self.http = httpx.Client(base_url=self.server.url, timeout=10)
+        self.fake: FakeScheduler | None = None
+
+    def start_fake(self) -> FakeScheduler:
+        self.fake = FakeScheduler(self.endpoint, self.script)
+        wait_until(lambda: self.http.get("/ready").status_code == 200, 5, "gateway ready")
+        return self.fake
+
+    def stop_fake(self) -> None:
+        if self.fake is not None:
+            self.fake.close()
+            self.fake = None
+
+    def text_of(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    e = Env(tmp_path_factory.mktemp("gw"))
+    with e.server:
+        yield e
+        e.stop_fake()
+    e.http.close()
+
+
+@pytest.fixture
+def fake(env: Env) -> Iterator[FakeScheduler]:
+    yield env.start_fake()
+    env.stop_fake()
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    out: list[Any] = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 12}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+
+
+def test_ready_waits_for_the_scheduler(env: Env) -> None:
+    env.stop_fake()
+    wait_until(lambda: env.http.get("/ready").status_code == 503, 5, "not ready without a scheduler")
+    health = env.http.get("/health")
+    assert health.status_code == 200 and health.json()["scheduler"]["connected"] is False
+    env.start_fake()
+    body = env.http.get("/ready").json()
+    assert body["ready"] is True and body["scheduler"]["workers_ready"] == [0]
+    env.stop_fake()
+
+
+def test_completion(env: Env, fake: FakeScheduler) -> None:
+    fake.cached_tokens = 1
+    resp = env.http.post("/v1/completions", json={**COMPLETION, "priority": 3})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    add = fake.adds[-1]
+    assert add.stop.max_tokens == 12 and add.priority == 3 and add.stop.eos_token_ids == [2]
+    assert add.prompt_token_ids == env.tok.encode("Hello")
+    choice = body["choices"][0]
+    assert choice["text"] == env.text_of(fake.tokens_for(add)) and choice["finish_reason"] == "length"
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert body["usage"] == {"prompt_tokens": len(add.prompt_token_ids), "completion_tokens": 12,
+                             "total_tokens": len(add.prompt_token_ids) + 12,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
+
+
+def test_completion_stream_with_usage(env: Env, fake: FakeScheduler) -> None:
+    req = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+    with env.http.stream("POST", "/v1/completions", json=req) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == env.text_of(fake.tokens_for(fake.adds[-1]))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("\ufffd" not in c["choices"][0]["text"] for c in chunks)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+
+
+def test_chat_stream_with_logprobs(env: Env, fake: FakeScheduler) -> None:
+    req = {**CHAT, "stream": True, "logprobs": True, "top_logprobs": 2}
+    with env.http.stream("POST", "/v1/chat/completions", json=req) as resp:
+        events = sse_events(resp)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-1] == "[DONE]"
+    add = fake.adds[-1]
+    assert add.sampling.logprobs == 2
+    assert add.prompt_token_ids == env.tok.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    content = [c for e in events[1:-1] for c in e["choices"][0]["logprobs"]["content"]]
+    assert len(content) == 6 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert [c["token"] for c in content] == [env.tok.token_text(t) for t in fake.tokens_for(add)]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1]) == \
+        env.text_of(fake.tokens_for(add))
+
+
+def test_n_choices_are_seeded_requests_sharing_the_prompt(env: Env, fake: FakeScheduler) -> None:
+    resp = env.http.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 7})
+    body = resp.json()
+    adds = fake.adds[-3:]
+    assert [a.sampling.seed for a in adds] == [7, 8, 9]
+    assert len({tuple(a.prompt_token_ids) for a in adds}) == 1
+    texts = [c["message"]["content"] for c in body["choices"]]
+    assert texts == [env.text_of(fake.tokens_for(a)) for a in adds] and len(set(texts)) == 3
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] == 18
+    assert body["usage"]["prompt_tokens"] == len(adds[0].prompt_token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_across_tokens_aborts_in_the_scheduler(env: Env, fake: FakeScheduler, stream: bool) -> None:
+    req = {**COMPLETION, "stop": ["d, t"], "max_tokens": 30, "stream": stream}
+    if stream:
+        with env.http.stream("POST", "/v1/completions", json=req) as resp:
+            events = sse_events(resp)
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        finish = events[-2]["choices"][0]["finish_reason"]
+    else:
+        choice = env.http.post("/v1/completions", json=req).json()["choices"][0]
+        text, finish = choice["text"], choice["finish_reason"]
+    assert (text, finish) == ("Hello worl", "stop")
+    rid = fake.adds[-1].req_id
+    wait_until(lambda: rid in fake.aborted(), 2, "abort after a stop string")
+
+
+def test_eos_finishes_with_stop_and_is_not_shown(env: Env, fake: FakeScheduler) -> None:
+    fake.eos_after = 3
+    body = env.http.post("/v1/completions", json=COMPLETION).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == env.text_of(fake.tokens_for(fake.adds[-1])[:2])
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_queue_full_is_429_with_retry_after(env: Env, fake: FakeScheduler) -> None:
+    fake.reject = ("queue_full", 2.2)
+    for stream in (False, True):
+        resp = env.http.post("/v1/completions", json={**COMPLETION, "stream": stream})
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "3"
+        assert resp.json()["error"]["code"] == "queue_full"
+        assert resp.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_queue_timeout_is_503(env: Env, fake: FakeScheduler) -> None:
+    fake.finish_now = "timeout"
+    resp = env.http.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_timeout"
+    fake.finish_now = "error"
+    resp = env.http.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_error"
+
+
+def test_stream_disconnect_aborts(env: Env, fake: FakeScheduler) -> None:
+    fake.tick_s = 0.05
+    with env.http.stream("POST", "/v1/completions", json={**COMPLETION, "max_tokens": 200, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    rid = fake.adds[-1].req_id
+    wait_until(lambda: rid in fake.aborted(), 3, "abort after the client closed the stream")
+
+
+def test_non_stream_disconnect_aborts(env: Env, fake: FakeScheduler) -> None:
+    fake.hold = True  # queued forever: only the disconnect can end it
+    with pytest.raises(httpx.ReadTimeout):
+        env.http.post("/v1/completions", json=COMPLETION, timeout=0.5)
+    rid = fake.adds[-1].req_id
+    wait_until(lambda: rid in fake.aborted(), 3, "abort after the client went away")
+    # a client leaving while its stream waits in the queue is noticed too
+    with pytest.raises(httpx.ReadTimeout):
+        env.http.post("/v1/completions", json={**COMPLETION, "stream": True}, timeout=0.5)
+    rid = fake.adds[-1].req_id
+    wait_until(lambda: rid in fake.aborted(), 3, "abort of a queued stream")
+
+
+def test_scheduler_death_fails_in_flight_and_recovers(env: Env) -> None:
+    fake = env.start_fake()
+    fake.hold = True
+    with env.http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+        assert resp.status_code == 200  # headers went out after the wait for a first token
+        orphan = fake.adds[-1].req_id
+        env.stop_fake()
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "scheduler_unavailable"
+    assert env.http.get("/ready").status_code == 503
+    refused = env.http.post("/v1/completions", json=COMPLETION)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "scheduler_unavailable"
+    fake = env.start_fake()  # same endpoint, no gateway restart
+    assert env.http.post("/v1/completions", json=COMPLETION).status_code == 200
+    wait_until(lambda: orphan in fake.aborted(), 3, "the orphaned request is aborted in the new scheduler")
+    env.stop_fake()
+
+
+def test_metrics_config_and_heartbeats(env: Env, fake: FakeScheduler) -> None:
+    env.http.post("/v1/completions", json=COMPLETION)
+    metrics = env.http.get("/metrics")
+    assert metrics.status_code == 200 and "ferry:" in metrics.text
+    cfg = env.http.get("/v1/config").json()
+    assert cfg["scheduler"] == {"max_num_seqs": "4"} and cfg["gateway"]["served_model_name"] == "tiny"
+    wait_until(lambda: len(fake.heartbeats) >= 2, 3, "heartbeats every heartbeat_interval_s")
+    gid = env.app.state.gateway.gateway_id
+    assert {h.gateway_id for h in fake.heartbeats} == {gid}
+    assert all(a.gateway_id == gid for a in fake.adds)
