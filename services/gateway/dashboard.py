@@ -129,6 +129,24 @@ def health_components(health: dict[str, Any], stats: EngineStats | None) -> list
     return rows
 
 
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out += _flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _config_rows(knobs: dict[str, Any], extra: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Scheduler knobs first (what the issue asks operators to see), then everything else, flattened."""
+    scheduler = dict(knobs)
+    scheduler.update(extra.get("scheduler") or {})
+    rest = {k: v for k, v in extra.items() if k != "scheduler"}
+    return sorted(_flatten(scheduler, "scheduler.")) + sorted(_flatten(rest))
+
+
 def _state(state: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return dict(state())
@@ -143,8 +161,7 @@ def dashboard_snapshot(metrics: GatewayMetrics, state: Callable[[], dict[str, An
     now = time.time() if now is None else now
     stats = metrics.last_stats
     extra = _state(state)
-    config: dict[str, Any] = dict(stats.config) if stats else {}
-    config.update(extra.get("config") or {})
+    config = _config_rows(dict(stats.config) if stats else {}, extra.get("config") or {})
     return {
         "time": now,
         "model": metrics.model_name,

@@ -60,55 +60,57 @@ def open_dashboard(base_url: str, width: int = 1400, height: int = 1100) -> Iter
             browser.close()
 
 
-def metric_value(base_url: str, name: str) -> float:
-    """One sample of ``name`` from ``/metrics`` (summed over label sets)."""
-    body = httpx.get(f"{base_url}/metrics", timeout=5.0).text
-    total, found = 0.0, False
-    for family in text_string_to_metric_families(body):
-        for sample in family.samples:
-            if sample.name == name:
-                total, found = total + sample.value, True
-    if not found:
-        raise KeyError(name)
-    return total
+def _sample_metrics(base_url: str, stop: threading.Event, out: list[tuple[float, float, float]]) -> None:
+    """Background sampler: (time, running, waiting) from /metrics as fast as it answers."""
+    with httpx.Client(timeout=5.0) as client:
+        while not stop.is_set():
+            body = client.get(f"{base_url}/metrics").text
+            values = {"running": 0.0, "waiting": 0.0}
+            for family in text_string_to_metric_families(body):
+                for sample in family.samples:
+                    for key in values:
+                        if sample.name == f"ferry:num_requests_{key}":
+                            values[key] += sample.value
+            out.append((time.monotonic(), values["running"], values["waiting"]))
+            stop.wait(0.05)
 
 
-def page_int(page: Any, element_id: str) -> int | None:
-    text = page.text_content(f"#{element_id}")
-    return int(text) if text and text.strip().isdigit() else None
+def check_page_tracks_metrics(page: Any, base_url: str, duration_s: float,
+                              refresh_s: float, slack_s: float = 0.5) -> tuple[int, int]:
+    """Compare the page's running/waiting numbers with /metrics sampled in the background.
 
-
-def check_page_tracks_metrics(page: Any, base_url: str, duration_s: float, refresh_s: float) -> tuple[int, int]:
-    """Sample the page's running/waiting numbers and /metrics side by side.
-
-    Each page reading must equal a /metrics reading taken within one refresh
-    (plus a little slack for the two clocks' sampling) of it. Returns how many
-    page readings were compared and how many distinct (running, waiting) pairs
-    the page showed.
+    Each page reading must equal a /metrics reading taken at most one refresh
+    (plus ``slack_s`` for delivery and rendering) before it, or just after it.
+    Returns how many page readings were compared and how many distinct
+    (running, waiting) pairs the page showed.
     """
-    readings: list[tuple[float, str, float]] = []  # (time, source:metric, value)
+    samples: list[tuple[float, float, float]] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_metrics, args=(base_url, stop, samples), daemon=True)
+    sampler.start()
+    time.sleep(refresh_s + slack_s)  # history for the first page reading to be compared against
+    readings: list[tuple[float, float | None, float | None]] = []
     end = time.monotonic() + duration_s
     while time.monotonic() < end:
+        pair = page.evaluate("[document.getElementById('running-count').textContent,"
+                             " document.getElementById('waiting-count').textContent]")
         now = time.monotonic()
-        for metric, element in (("running", "running-count"), ("waiting", "waiting-count")):
-            readings.append((now, f"metrics:{metric}", metric_value(base_url, f"ferry:num_requests_{metric}")))
-            value = page_int(page, element)
-            if value is not None:
-                readings.append((now, f"page:{metric}", float(value)))
-        time.sleep(0.1)
-    tolerance = refresh_s + 0.5
-    compared = 0
-    shown: set[tuple[float, ...]] = set()
-    for t, source, value in readings:
-        if not source.startswith("page:"):
+        readings.append((now, *(float(v) if v.strip().isdigit() else None for v in pair)))
+        time.sleep(0.15)
+    time.sleep(0.3)
+    stop.set()
+    sampler.join(timeout=10)
+    compared, shown = 0, set()
+    for t, running, waiting in readings:
+        if running is None or waiting is None:
             continue
-        metric = source.split(":", 1)[1]
-        nearby = {v for (t2, s2, v) in readings if s2 == f"metrics:{metric}" and abs(t2 - t) <= tolerance}
-        assert value in nearby, f"page {metric}={value} not among /metrics values {sorted(nearby)} within {tolerance}s"
+        near = [(r, w) for (t2, r, w) in samples if t - refresh_s - slack_s <= t2 <= t + 0.2]
+        # Both numbers come from one EngineStats, so the pair must match one scrape.
+        assert (running, waiting) in near, (
+            f"page shows running={running} waiting={waiting}; /metrics had {sorted(set(near))} "
+            f"within {refresh_s + slack_s}s before")
         compared += 1
-    page_times = sorted({t for t, s, _ in readings if s.startswith("page:")})
-    for t in page_times:
-        shown.add(tuple(v for (t2, s2, v) in readings if t2 == t and s2.startswith("page:")))
+        shown.add((running, waiting))
     return compared, len(shown)
 
 

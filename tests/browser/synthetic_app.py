@@ -120,7 +120,7 @@ def build_app(tick_s: float = 0.25, interval_s: float = 1.0, seed: int = 0) -> F
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    state = lambda: {"health": health(), "config": {"gateway.port": "synthetic"}}  # noqa: E731
+    state = lambda: {"health": health(), "config": {"gateway": {"port": 8000, "metrics_compat": "vllm"}}}  # noqa: E731
     app.include_router(make_dashboard_router(metrics, state, interval_s=interval_s))
     return app
 

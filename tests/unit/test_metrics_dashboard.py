@@ -40,10 +40,12 @@ def test_snapshot_mirrors_latest_stats_and_state() -> None:
     now = time.time()
     m.on_engine_stats(stats(now, running=3, waiting=9))
     snap = dashboard_snapshot(m, state, now=now + 1)
+    nested = dashboard_snapshot(m, lambda: {"config": {"gateway": {"port": 8000}, "scheduler": {"x": 1}}})
+    assert nested["config"] == [("scheduler.block_size", "16"), ("scheduler.x", 1), ("gateway.port", 8000)]
     assert snap["engine"]["num_running"] == 3 and snap["engine"]["num_waiting"] == 9
     assert snap["engine"]["stale"] is False
     assert snap["running"][0]["req_id"] == "a" and snap["waiting"][0]["priority"] == 1
-    assert snap["config"] == {"block_size": "16", "max_num_seqs": 4}
+    assert snap["config"] == [("scheduler.block_size", "16"), ("max_num_seqs", 4)]
     rows = {r["name"]: (r["status"], r["up"]) for r in snap["health"]}
     assert rows == {"gateway": ("ok", True), "scheduler": ("ready", True), "worker 0": ("down", False),
                     "worker 1": ("ready", True), "redis": ("degraded", False)}

@@ -118,8 +118,7 @@
     fillBody($("waiting-table"), (s.waiting || []).map(reqRow));
     setText("running-table-count", e.num_running == null ? "" : `(${e.num_running})`);
     setText("waiting-table-count", e.num_waiting == null ? "" : `(${e.num_waiting})`);
-    fillBody($("config"), Object.entries(s.config || {}).sort(([a], [b]) => a.localeCompare(b))
-      .map(([k, v]) => [k, typeof v === "object" ? JSON.stringify(v) : v]));
+    fillBody($("config"), (s.config || []).map(([k, v]) => [k, v != null && typeof v === "object" ? JSON.stringify(v) : v]));
 
     const running = e.stale ? null : e.num_running;
     const waiting = e.stale ? null : e.num_waiting;
