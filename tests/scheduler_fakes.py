@@ -235,6 +235,7 @@ class Driver:
         self.check_invariants = check_invariants
         self.outcomes: dict[str, Outcome] = {}
         self.plans: list[StepPlan] = []
+        self.first_token_step: dict[str, int] = {}  # req id -> index of the step that sampled its first token
 
     def step(self) -> StepPlan:
         plan = self.sched.schedule()
@@ -254,6 +255,8 @@ class Driver:
             for delta in deltas:
                 out = self.outcomes.setdefault(delta.req_id, Outcome())
                 assert out.finish_reason is None, f"{delta.req_id} got a delta after finishing"
+                if delta.new_token_ids and not out.token_ids:
+                    self.first_token_step[delta.req_id] = len(self.plans)
                 out.token_ids.extend(delta.new_token_ids)
                 out.finish_reason = delta.finish_reason
                 out.deltas.append(delta)

@@ -136,7 +136,8 @@ class Scheduler:
 
     def preempt_all(self) -> None:
         """A worker restarted: recompute every running request and forget what workers held."""
-        for req in reversed(self.running):
+        # Back to the head of the queue in arrival order, ahead of everything never started.
+        for req in sorted(self.running, key=lambda r: r.seq, reverse=True):
             self.ledger.free(req.req_id)
             req.status = RequestStatus.WAITING
             req.num_computed_tokens = 0
