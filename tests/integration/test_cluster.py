@@ -163,11 +163,15 @@ def test_cancelled_stream_frees_its_blocks(serve_cluster: ServeProcess) -> None:
             lines = resp.iter_lines()
             got = [line for _, line in zip(range(6), lines, strict=False)]
             assert any(line.startswith("data: ") for line in got)
-            running = read_metrics(serve_cluster.base_url)
-            assert running["ferry:num_requests_running"] >= 1
-            assert running["ferry:kv_cache_usage_perc"] > 0.0
+            # Engine stats reach the gateway every stats_interval_s: wait for one that shows it.
+            wait_for(lambda: _busy(read_metrics(serve_cluster.base_url)), 10, interval_s=0.05,
+                     what="the stream to show in the engine stats")
         # Leaving the block closes the connection mid-stream.
     wait_for(lambda: _idle(read_metrics(serve_cluster.base_url)), 15, what="KV usage back to zero")
+
+
+def _busy(metrics: dict[str, float]) -> bool:
+    return metrics["ferry:num_requests_running"] >= 1 and metrics["ferry:kv_cache_usage_perc"] > 0.0
 
 
 def _idle(metrics: dict[str, float]) -> bool:
