@@ -17,7 +17,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway.dashboard import make_dashboard_router
-from services.gateway.errors import bad_request, install_error_handlers
+from services.gateway.errors import APIError, bad_request, install_error_handlers
 from services.gateway.middleware import RequestGuard
 from services.gateway.protocol import DetokenizeRequest, TokenizeRequest
 from services.gateway.serving import router as serving_router
@@ -26,6 +26,7 @@ from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.validation import check_model, render_chat
 from shared.config import GatewayConfig
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 JSON_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
@@ -116,7 +117,12 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
     app = FastAPI(title="ferry", version=ferry_version(), lifespan=lifespan,
                   description="An OpenAI-compatible gateway in front of a ferry engine.")
     app.state.gateway = st
-    install_error_handlers(app)
+
+    def on_error(request: Request, err: APIError) -> None:
+        if request.url.path in GENERATION_PATHS:  # refusals of generation requests, by code
+            st.metrics.on_rejected(err.code or str(err.status), err.status)
+
+    install_error_handlers(app, on_error)
     app.include_router(serving_router)
     app.include_router(misc)
     app.include_router(make_dashboard_router(

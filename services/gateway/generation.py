@@ -63,6 +63,7 @@ class Choice:
     token_times: list[float] = field(default_factory=list)
     timings: RequestTimings | None = None
     reported: bool = False
+    admitted: bool = True  # False: refused before running (not a finished request for metrics)
 
 
 class Generation:
@@ -96,6 +97,7 @@ class Generation:
         except EngineUnavailable as e:
             for c in self.choices.values():
                 c.finish_reason = "error"  # never reached the scheduler: nothing to abort
+                c.admitted = False
             raise unavailable(f"the engine is not available: {e}", retry_after_s=1.0,
                               code="scheduler_unavailable") from e
 
@@ -112,7 +114,7 @@ class Generation:
                 c.finish_reason = "abort"
         now = time.time()
         for c in self.choices.values():
-            if not c.reported:
+            if not c.reported and c.admitted:
                 c.reported = True
                 self.metrics.on_request_finished(RequestRecord(
                     req_id=c.req_id, priority=self.priority, finish_reason=c.finish_reason or "abort",
@@ -175,6 +177,7 @@ class Generation:
     def _fail(self, c: Choice, item: RequestDelta | RequestRejected | EngineFailure) -> None:
         """End the whole generation with the error this choice met."""
         err = failure_error(item)
+        c.admitted = not isinstance(item, RequestRejected)
         c.finish_reason = item.finish_reason if isinstance(item, RequestDelta) and item.finish_reason else "error"
         self.engine.forget([c.req_id])
         self.error = err

@@ -64,7 +64,7 @@ class GenerationSpec:
         """One AddRequest per choice; seeded requests get seed + i so choices differ."""
         out: list[AddRequest] = []
         for p, prompt in enumerate(self.prompts):
-            stop = StopParams(max_tokens=self.max_tokens[p], min_tokens=min(self.min_tokens, self.max_tokens[p]),
+            stop = StopParams(max_tokens=self.max_tokens[p], min_tokens=self.min_tokens,
                               eos_token_ids=self.eos_token_ids, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos)
             for i in range(self.n):
@@ -112,6 +112,11 @@ def _check_prompt_ids(ids: Sequence[int], tok: GatewayTokenizer, param: str) -> 
     bad = next((t for t in ids if t >= tok.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})", param)
+
+
+def _check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    if min_tokens > max_tokens:
+        raise bad_request(f"min_tokens={min_tokens} is more than max_tokens={max_tokens}", "min_tokens")
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, limits: ServingLimits,
@@ -193,6 +198,7 @@ def validate_completion(req: CompletionRequest, tok: GatewayTokenizer, limits: S
     if len(prompts) * req.n > limits.max_n * 16:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} is too many choices in one request", "prompt")
     max_tokens = [resolve_max_tokens(len(p), req.max_tokens, limits) for p in prompts]
+    _check_min_tokens(req.min_tokens, min(max_tokens))
     return _spec(req, prompts, max_tokens, req.logprobs, tok)
 
 
@@ -231,5 +237,6 @@ def validate_chat(req: ChatCompletionRequest, tok: GatewayTokenizer, limits: Ser
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt), requested, limits, param, "messages")
+    _check_min_tokens(req.min_tokens, max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return _spec(req, [prompt], [max_tokens], logprobs, tok)

@@ -71,6 +71,7 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     ({"seed": -1}, "seed"),
     ({"seed": 2**63}, "seed"),
     ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens=8
     ({"priority": 2**40}, "priority"),
     ({"queue_timeout_s": 0}, "queue_timeout_s"),
     ({"prompt": ""}, "prompt"),
