@@ -106,11 +106,13 @@ def test_endpoints_meet_across_containers() -> None:
 def test_only_the_gateway_is_published_and_the_backend_is_private() -> None:
     doc = load_compose()
     published = [name for name, svc in doc["services"].items() if svc.get("ports")]
-    assert published == ["gateway"]
+    # Grafana (profile "monitoring") is the one other UI; like the gateway it binds loopback.
+    assert published == ["gateway", "grafana"]
+    assert interpolate(doc["services"]["grafana"]["ports"][0]).startswith("127.0.0.1:")
     assert doc["networks"]["backend"]["internal"] is True
     for name, svc in doc["services"].items():
         assert "backend" in svc["networks"], name
-        if name != "gateway":
+        if name not in ("gateway", "grafana"):
             assert svc["networks"] == ["backend"], f"{name} must stay on the private network"
     # Published on the host's loopback unless the operator says otherwise.
     assert interpolate(doc["services"]["gateway"]["ports"][0]).startswith("127.0.0.1:")
