@@ -54,7 +54,9 @@ def send_offsets(
         scale = natural_rate / rate
         scaled = [(t - start) * scale for t in trace_offsets]
         return [t for t in scaled if t < duration_s]
-    rng = random.Random(f"arrivals:{spec.kind}:{spec.seed}:{rate}:{spec.burstiness}")
+    # The same unit-rate gaps at every rate, scaled by 1/rate (common random numbers):
+    # runs at different rates then differ by the rate alone, not by a luckier draw.
+    rng = random.Random(f"arrivals:{spec.kind}:{spec.seed}:{spec.burstiness}")
     offsets: list[float] = []
     t = 0.0
     while len(offsets) < limit and t < duration_s:
@@ -67,6 +69,6 @@ def next_gap(spec: ArrivalSpec, rate: float, rng: random.Random) -> float:
     if spec.kind == "constant":
         return 1.0 / rate
     if spec.kind == "poisson":
-        return rng.expovariate(rate)
+        return rng.expovariate(1.0) / rate
     # Gamma with shape k and scale 1/(rate*k) has mean 1/rate and CV 1/sqrt(k).
-    return rng.gammavariate(spec.burstiness, 1.0 / (rate * spec.burstiness))
+    return rng.gammavariate(spec.burstiness, 1.0 / spec.burstiness) / rate

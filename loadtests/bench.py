@@ -136,7 +136,7 @@ def server_info(base_url: str, api_key: str = "") -> dict[str, Any]:
 async def _server_info(base_url: str, api_key: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     info: dict[str, Any] = {}
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    async with httpx.AsyncClient(trust_env=False, timeout=5.0) as client:
         for path in ("/v1/models", "/version"):
             try:
                 response = await client.get(base_url.rstrip("/") + path, headers=headers)

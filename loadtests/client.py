@@ -243,7 +243,7 @@ def _error_message(text: str) -> str:
 async def discover_model(base_url: str, api_key: str = "", timeout_s: float = 10.0) -> str:
     """The first model id the server lists at /v1/models."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout_s) as client:
         response = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
         response.raise_for_status()
         data = response.json().get("data") or []

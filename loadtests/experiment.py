@@ -96,7 +96,17 @@ def load_experiment(path: Path) -> Experiment:
         raise ExperimentError(f"{path}: {exc}") from exc
 
 
+TOP_KEYS = {"title", "description", "server", "baseline", "workload", "slo", "goodput", "cost", "variants"}
+WORKLOAD_KEYS = {"scenario", "trace", "seed", "num_requests", "rates", "duration_s", "arrival", "burstiness",
+                 "max_concurrency", "tokenizer", "request_timeout_s", "stop_on_slo", "cooldown_s", "decision_rate",
+                 "model", "ignore_eos", "warmup_requests", "scenario_options"}
+
+
 def _parse(raw: dict[str, Any], path: Path) -> Experiment:
+    for where, keys, allowed in (("the file", raw, TOP_KEYS), ("[workload]", raw.get("workload", {}), WORKLOAD_KEYS)):
+        unknown = set(keys) - allowed
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
     server_raw = dict(raw.get("server", {}))
     server = ServerSpec(
         kind=str(server_raw.get("kind", "ferry")),

@@ -33,9 +33,11 @@ MAIN_COLUMNS: list[tuple[str, str, str]] = [
     ("preemptions", "preemptions", "{:.0f}"),
 ]
 OTHER_COLUMNS: list[tuple[str, str, str]] = [
+    ("sent req/s", "sent_rps", "{:.2f}"),
     ("output tok/s", "output_tok_s", "{:.1f}"),
     ("TTFT p50/p99 ms", "ttft_p50_ms|ttft_p99_ms", "{:.0f}"),
     ("ITL p95 ms", "itl_p95_ms", "{:.1f}"),
+    ("queue mean ms", "queue_mean_ms", "{:.1f}"),
     ("TPOT mean/p95 ms", "tpot_mean_ms|tpot_p95_ms", "{:.1f}"),
     ("done/cancel/err", "completed|cancelled|errors", "{:.0f}"),
     ("err 429/503/timeout/other", "errors_429|errors_503|errors_timeout|errors_other", "{:.0f}"),
@@ -52,6 +54,8 @@ def fmt(value: Any, pattern: str) -> str:
 
 
 def cell(summary: dict[str, Any], keys: str, pattern: str) -> str:
+    if keys == "queue_p95_ms" and summary.get("queue_p95_below_ms") is not None:
+        return "<" + pattern.format(summary["queue_p95_below_ms"])
     values = dict(summary)
     if values.get("peak_memory_bytes") is not None:
         values["peak_memory_mib"] = values["peak_memory_bytes"] / 2**20
@@ -110,7 +114,9 @@ def render_board(results: dict[str, Any]) -> str:
     grouped = [(c, r) for c, r in runs if r.get("groups")]
     if grouped:
         lines += ["", "## By scenario group", ""]
-        group_cols = [MAIN_COLUMNS[1], MAIN_COLUMNS[2], MAIN_COLUMNS[4], MAIN_COLUMNS[5], OTHER_COLUMNS[4]]
+        wanted = ("completed req/s", "p95 TTFT ms", "p95 end-to-end ms", "error rate", "output tok/s",
+                  "done/cancel/err", "goodput req/s")
+        group_cols = [c for name in wanted for c in (*MAIN_COLUMNS, *OTHER_COLUMNS) if c[0] == name]
         rows = [
             [_run_label(c, r), g, *[cell(s, k, p) for _, k, p in group_cols]]
             for c, r in grouped

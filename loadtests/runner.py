@@ -76,12 +76,12 @@ def run_once(trace: Trace, plan: RunPlan, settings: BenchSettings) -> dict[str, 
 
 async def run_once_async(trace: Trace, plan: RunPlan, settings: BenchSettings) -> dict[str, Any]:
     scraper = MetricsScraper(settings.metrics_url, settings.metric_names)
-    async with httpx.AsyncClient() as probe:
+    async with httpx.AsyncClient(trust_env=False) as probe:
         before = await scraper.scrape(probe)
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(settings.client.request_timeout_s, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
         run_start = time.perf_counter()
         in_flight = InFlight(run_start)
         sampler = asyncio.create_task(scraper.sample_until(stop, run_start, settings.sample_interval_s))
@@ -92,7 +92,7 @@ async def run_once_async(trace: Trace, plan: RunPlan, settings: BenchSettings) -
         duration = time.perf_counter() - run_start
         stop.set()
         series = await sampler
-    async with httpx.AsyncClient() as probe:
+    async with httpx.AsyncClient(trust_env=False) as probe:
         after = await scraper.scrape(probe)
     samples = series.to_dict() | {"peak_memory_bytes": series.peak_memory(),
                                   "client_t_s": in_flight.t_s, "client_in_flight": in_flight.counts}
@@ -152,6 +152,9 @@ def _server_columns(summary: dict[str, Any], server: dict[str, Any], series: dic
         for q in ("p50", "p95", "p99", "mean"):
             value = server.get(f"queue_{q}_s")
             out[f"queue_{q}_ms"] = None if value is None else value * 1000.0
+        below = server.get("queue_p95_below_s")
+        # Inside the histogram's first bucket the interpolation is a guess; say only "below".
+        out["queue_p95_below_ms"] = None if below is None else below * 1000.0
     else:
         out["queue_source"] = None
         out.update({f"queue_{q}_ms": None for q in ("p50", "p95", "p99", "mean")})
@@ -254,6 +257,6 @@ def warmup(trace: Trace, settings: BenchSettings, num_requests: int) -> None:
 
 
 async def _closed_loop_only(trace: Trace, plan: RunPlan, settings: BenchSettings) -> None:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(settings.client.request_timeout_s)) as client:
+    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(settings.client.request_timeout_s)) as client:
         start = time.perf_counter()
         await _closed_loop(client, trace.requests, plan, settings, start, InFlight(start))

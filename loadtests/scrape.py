@@ -117,6 +117,17 @@ def histogram_quantile(q: float, buckets: dict[float, float] | None) -> float | 
     return prev_bound
 
 
+def first_bucket_bound(q: float, buckets: dict[float, float] | None) -> float | None:
+    """The first bucket's upper bound when the q-quantile falls in it (the estimate is then only a bound)."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total > 0 and buckets[bounds[0]] >= q * total and not math.isinf(bounds[0]):
+        return bounds[0]
+    return None
+
+
 @dataclass
 class ServerSeries:
     """Samples taken while a run is going."""
@@ -164,7 +175,7 @@ class MetricsScraper:
     async def sample_until(self, stop: asyncio.Event, run_start: float, interval_s: float) -> ServerSeries:
         """Sample the gauges every ``interval_s`` until ``stop`` is set."""
         series = ServerSeries()
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(trust_env=False) as client:
             while True:
                 samples = await self.scrape(client)
                 series.t_s.append(time.perf_counter() - run_start)
@@ -184,13 +195,15 @@ class MetricsScraper:
 def server_deltas(before: Samples | None, after: Samples | None, names: MetricNames) -> dict[str, Any]:
     """Queue-time quantiles and the preemption count between two scrapes (None: not available)."""
     out: dict[str, Any] = {"queue_p50_s": None, "queue_p95_s": None, "queue_p99_s": None,
-                           "queue_mean_s": None, "queue_count": None, "preemptions": None}
+                           "queue_mean_s": None, "queue_count": None, "queue_p95_below_s": None,
+                           "preemptions": None}
     if after is None:
         return out
     buckets = histogram_delta(histogram(before or {}, names.queue_time), histogram(after, names.queue_time))
     if buckets:
         for q, key in ((0.5, "queue_p50_s"), (0.95, "queue_p95_s"), (0.99, "queue_p99_s")):
             out[key] = histogram_quantile(q, buckets)
+        out["queue_p95_below_s"] = first_bucket_bound(0.95, buckets)
         count = buckets[max(buckets)]
         out["queue_count"] = count
         sums = [scalar_sum(s or {}, tuple(n + "_sum" for n in names.queue_time)) for s in (before, after)]

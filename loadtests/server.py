@@ -120,7 +120,7 @@ class ManagedServer:
     def _wait_ready(self) -> None:
         path = self.spec.ready_path or ("/ready" if self.spec.kind == "ferry" else "/v1/models")
         deadline = time.monotonic() + self.spec.startup_timeout_s
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(trust_env=False, timeout=2.0) as client:
             while time.monotonic() < deadline:
                 assert self.proc is not None
                 if self.proc.poll() is not None:

@@ -1,0 +1,127 @@
+"""Experiment files, pass conditions, decision records, and the server command lines they produce."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtests.experiment import (
+    ExperimentError,
+    Unavailable,
+    check_condition,
+    decide,
+    evaluate,
+    load_experiment,
+)
+from loadtests.server import ServerSpec, knob_flags, server_argv
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "loadtests" / "experiments").glob("*.toml"))
+
+MINIMAL = """
+title = "t"
+[server]
+kind = "command"
+command = "my-server --port {port} --model {model} --batch {max_num_seqs}"
+model = "m"
+[baseline]
+max_num_seqs = 8
+[workload]
+scenario = "chat"
+rates = [1, 2]
+decision_rate = 2
+[[variants]]
+name = "v"
+knob = "max_num_seqs"
+value = 4
+hypothesis = "h"
+pass = "ttft_p95_ms <= baseline.ttft_p95_ms"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "exp.toml"
+    path.write_text(text)
+    return path
+
+
+def test_example_files_load() -> None:
+    assert {p.stem for p in EXAMPLES} >= {"chat", "long-context", "agent-rag"}
+    for path in EXAMPLES:
+        experiment = load_experiment(path)
+        assert experiment.variants and experiment.rates
+        for variant in experiment.variants:
+            assert variant.knob and variant.hypothesis and variant.pass_condition
+
+
+def test_minimal_file_and_the_command_template(tmp_path: Path) -> None:
+    experiment = load_experiment(write(tmp_path, MINIMAL))
+    assert experiment.decision_rate == 2.0 and experiment.arrival.kind == "poisson"
+    argv = server_argv(experiment.server, {"max_num_seqs": 4, "enable_chunked_prefill": False}, "127.0.0.1", 9)
+    # A knob the template names is substituted; the others become flags.
+    assert argv == ["my-server", "--port", "9", "--model", "m", "--batch", "4", "--enable-chunked-prefill", "false"]
+
+
+def test_ferry_command_line() -> None:
+    argv = server_argv(ServerSpec(model="tiny", args=("--num-threads", "1")), {"max_num_seqs": 2}, "127.0.0.1", 5)
+    assert argv == [sys.executable, "-m", "ferry_cli", "serve", "--host", "127.0.0.1", "--port", "5",
+                    "--model", "tiny", "--num-threads", "1", "--max-num-seqs", "2"]
+    assert knob_flags({"enable_prefix_caching": True}) == ["--enable-prefix-caching", "true"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (('knob = "max_num_seqs"', 'knob = "max_num_seqs"\nset = {a = 1}'), "unknown keys"),
+        (("value = 4", "value = 8"), "baseline's own value"),
+        (('pass = "ttft_p95_ms <= baseline.ttft_p95_ms"', 'pass = "__import__(1)"'), "not allowed"),
+        (("rates = [1, 2]", "rates = []"), "rates"),
+        (('hypothesis = "h"\n', ""), "needs 'hypothesis'"),
+        (('kind = "command"', 'kind = "docker"'), "kind"),
+        (("decision_rate = 2", "decision_rate = 2\n[extra]"), "unknown keys"),
+        (("decision_rate = 2", "decision_rat = 2"), "unknown keys"),
+    ],
+)
+def test_bad_files_are_refused(tmp_path: Path, change: tuple[str, str], message: str) -> None:
+    with pytest.raises(ExperimentError, match=message):
+        load_experiment(write(tmp_path, MINIMAL.replace(*change)))
+
+
+def test_conditions_are_restricted() -> None:
+    check_condition("a < 1 and (b >= baseline.b * 1.1 or not c)")
+    for bad in ("f(x)", "a.b < 1", "x[0] > 1", "'s' == a", "lambda: 1", "a if b else c"):
+        with pytest.raises(ValueError):
+            check_condition(bad)
+
+
+def test_evaluate() -> None:
+    mine, base = {"a": 2.0, "b": None}, {"a": 3.0, "b": 1.0}
+    assert evaluate("a < baseline.a", mine, base) is True
+    assert evaluate("a * 2 > baseline.a and not a > 5", mine, base) is True
+    assert evaluate("1 < a < 1.5", mine, base) is False
+    with pytest.raises(Unavailable, match="b"):
+        evaluate("b < 1", mine, base)
+    with pytest.raises(ValueError, match="unknown measure"):
+        evaluate("zzz < 1", mine, base)
+
+
+def _config(name: str, ttft: float | None, ok_rate: float | None) -> dict:
+    runs = [{"rate": r, "slo_violations": [], "summary": {"ttft_p95_ms": ttft, "goodput_rps": r}} for r in (1.0, 2.0)]
+    return {"name": name, "runs": runs, "sweep": {"max_rate_meeting_slo": ok_rate}}
+
+
+def test_decision_records(tmp_path: Path) -> None:
+    experiment = load_experiment(write(tmp_path, MINIMAL))
+    variant = experiment.variants[0]
+    inputs = {"trace_sha256": "abc"}
+    record = decide(experiment, variant, _config("baseline", 100.0, 2.0), _config("v", 90.0, 2.0), inputs)
+    assert record["verdict"] == "pass"
+    assert record["changed_parameter"] == "max_num_seqs: 8 -> 4"
+    assert record["input_set"] == inputs and record["hypothesis"] == "h"
+    assert record["measured_outcome"]["variant"]["ttft_p95_ms"] == 90.0
+    assert record["measured_outcome"]["baseline"]["max_ok_rate"] == 2.0
+    worse = decide(experiment, variant, _config("baseline", 100.0, 2.0), _config("v", 120.0, 1.0), inputs)
+    assert worse["verdict"] == "fail"
+    unknown = decide(experiment, variant, _config("baseline", None, 2.0), _config("v", 120.0, 1.0), inputs)
+    assert unknown["verdict"].startswith("inconclusive")

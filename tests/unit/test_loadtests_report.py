@@ -1,0 +1,84 @@
+"""The board, results.json, decision records and PNG plots written from a hand-made result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtests.report import render_board, write_results
+
+
+def summary(rate: float, **kw: object) -> dict:
+    base = {
+        "offered_rps": rate, "completed_rps": rate * 0.9, "sent_rps": rate, "ttft_p95_ms": 100 * rate,
+        "ttft_p50_ms": 50.0, "ttft_p99_ms": 120 * rate, "queue_p95_ms": None, "queue_mean_ms": None,
+        "e2e_p95_ms": 900.0, "error_rate": 0.0, "preemptions": None, "output_tok_s": 12.5, "itl_p95_ms": 20.0,
+        "tpot_mean_ms": 15.0, "tpot_p95_ms": 18.0, "completed": 9, "cancelled": 1, "errors": 0, "errors_429": 0,
+        "errors_503": 0, "errors_timeout": 0, "errors_other": 0, "peak_memory_bytes": None,
+        "goodput_rps": None, "cost_per_accepted": None, "e2e_p50_ms": 500.0, "itl_p50_ms": 10.0,
+    }
+    return {**base, **kw}
+
+
+def run(rate: float, **kw: object) -> dict:
+    series = {"t_s": [0.0, 0.5, 1.0], "running": [0, 2, 1], "waiting": [0, 1, 0], "memory_bytes": [1, 2, 3],
+              "client_t_s": [0.0, 0.1, 0.9], "client_in_flight": [0, 1, 0]}
+    return {"name": f"{rate:g}rps", "rate": rate, "summary": summary(rate, **kw), "groups": {},
+            "slo_violations": [], "series": series}
+
+
+RESULTS = {
+    "meta": {"title": "T", "command": "ferry bench run --rates 1,2", "started_at": "now",
+             "trace": {"scenario": "chat", "seed": 0, "num_requests": 20, "sha256": "ab" * 32, "format_version": 1,
+                       "tokenizer": "tok"},
+             "base_url": "http://x"},
+    "configs": [{"name": "run", "runs": [
+        run(1.0, queue_p95_ms=150.0, preemptions=0.0, peak_memory_bytes=512 * 2**20),
+        {**run(2.0, queue_p95_ms=290.0, queue_p95_below_ms=300.0),
+         "slo_violations": ["p95 TTFT 200 ms > 150 ms"],
+         "groups": {"chat": summary(2.0, completed_rps=1.0), "agent-rag": summary(2.0, completed_rps=0.8)}},
+    ], "sweep": {"checked": True, "max_rate_meeting_slo": 1.0, "stopped_at": 2.0,
+                 "broken": ["p95 TTFT 200 ms > 150 ms"]}}],
+}
+
+
+def test_board_has_the_methods_columns_and_na() -> None:
+    board = render_board(RESULTS)
+    assert "| run | offered req/s | completed req/s | p95 TTFT ms | p95 queue ms | p95 end-to-end ms | error rate " \
+           "| preemptions |" in board
+    assert "| 1rps | 1.00 | 0.90 | 100 | 150 | 900 | 0.000 | 0 |" in board
+    # A queue p95 inside the histogram's first bucket is only a bound; no preemption counter: n/a.
+    assert "| 2rps | 2.00 | 1.80 | 200 | <300 | 900 | 0.000 | n/a |" in board
+    assert "missed: p95 TTFT 200 ms > 150 ms" in board
+    assert "highest rate meeting the SLO: 1 req/s; stopped at 2 req/s" in board
+    assert "`ferry bench run --rates 1,2`" in board and "sha256 `abababababababab`" in board
+    assert "| 2rps | chat | 1.00 |" in board and "| 2rps | agent-rag | 0.80 |" in board
+    assert "| 512 |" in board  # peak server MiB
+
+
+def test_files_written(tmp_path: Path) -> None:
+    decisions = [{"variant": "v1", "hypothesis": "h", "changed_parameter": "k: 1 -> 2", "input_set": {"a": 1},
+                  "pass_condition": "x < 1", "measured_outcome": {"x": 0.5}, "verdict": "pass"}]
+    written = write_results({**RESULTS, "decisions": decisions}, tmp_path)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["tool"] == "ferry-loadtests" and data["results_version"] == 1
+    assert data["configs"][0]["runs"][1]["summary"]["ttft_p95_ms"] == 200.0
+    assert "## Decision record: v1" in (tmp_path / "board.md").read_text()
+    record = (tmp_path / "decision-v1.md").read_text()
+    for field in ("hypothesis", "changed parameter", "input set", "pass condition", "measured outcome", "verdict"):
+        assert f"**{field}**" in record
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["latency_vs_rate.png", "throughput_vs_rate.png", "timeline-1rps.png", "timeline-2rps.png"]
+    for name in pngs:
+        blob = (tmp_path / name).read_bytes()
+        assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 5000
+    assert set(written) >= {"board", "results", "latency_plot", "throughput_plot", "decision:v1"}
+
+
+def test_plots_survive_a_run_with_nothing(tmp_path: Path) -> None:
+    empty = {**RESULTS, "configs": [{"name": "run", "runs": [
+        {"name": "1rps", "rate": 1.0, "groups": {}, "slo_violations": ["no request completed"], "series": {},
+         "summary": {k: None for k in summary(1.0)} | {"offered_rps": 1.0}}], "sweep": {}}]}
+    write_results(empty, tmp_path)
+    assert "| 1rps | 1.00 | n/a | n/a | n/a | n/a | n/a | n/a |" in (tmp_path / "board.md").read_text()
+    assert (tmp_path / "timeline-1rps.png").stat().st_size > 0
