@@ -88,9 +88,17 @@ def _engine(stats: EngineStats | None, now: float) -> dict[str, Any]:
 _GOOD = {"ok", "ready", "up", "healthy", "connected", "serving", "true"}
 
 
-def _detail(d: dict[str, Any], skip: tuple[str, ...]) -> str:
-    return "  ".join(f"{k}={v}" for k, v in d.items()
-                     if k not in skip and v is not None and v != "" and not isinstance(v, dict | list))
+def _detail(d: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """The few fields worth a glance, in order; a reason only when it says something."""
+    parts = []
+    for key in keys:
+        value = d.get(key)
+        if value is None or value == "" or isinstance(value, dict | list):
+            continue
+        if key == "reason" and value in ("ready", "ok"):
+            continue
+        parts.append(f"{key}={value}")
+    return "  ".join(parts)
 
 
 def health_components(health: dict[str, Any], stats: EngineStats | None) -> list[dict[str, Any]]:
@@ -102,14 +110,14 @@ def health_components(health: dict[str, Any], stats: EngineStats | None) -> list
     """
     rows: list[dict[str, Any]] = [{
         "name": GATEWAY_PROCESS, "status": str(health.get("status", "ok")), "up": True,
-        "detail": _detail(health, ("status", "scheduler", "redis", "workers")),
+        "detail": _detail(health, ("error", "reason", "gateway_id", "version")),
     }]
     sched = health.get("scheduler")
     if isinstance(sched, dict):
         ready = bool(sched.get("ready", sched.get("status") in _GOOD))
         status = "ready" if ready else ("connected" if sched.get("connected") else "down")
         rows.append({"name": "scheduler", "status": status, "up": ready,
-                     "detail": _detail(sched, ("ready", "status", "connected", "workers_ready", "endpoint"))})
+                     "detail": _detail(sched, ("reason", "last_seen_s_ago", "in_flight"))})
         num_workers = sched.get("num_workers") or 0
         ready_ranks = set(sched.get("workers_ready") or [])
         if stats is not None and not ready_ranks:
@@ -122,7 +130,7 @@ def health_components(health: dict[str, Any], stats: EngineStats | None) -> list
         state = str(redis.get("redis", redis.get("status", "unknown")))
         redis_up = None if state == "disabled" else state in _GOOD
         rows.append({"name": "redis", "status": state, "up": redis_up,
-                     "detail": _detail(redis, ("redis", "status"))})
+                     "detail": _detail(redis, ("detail", "auth", "degraded_since"))})
     elif isinstance(redis, str):
         rows.append({"name": "redis", "status": redis, "up": None if redis == "disabled" else redis in _GOOD,
                      "detail": ""})

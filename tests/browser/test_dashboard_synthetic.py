@@ -40,7 +40,7 @@ def test_dashboard_tracks_metrics_and_draws(tmp_path: Path) -> None:
         for name in ("gateway", "scheduler", "worker 0", "worker 1", "redis", "degraded"):
             assert name in health, health
         config = page.text_content("#config") or ""
-        assert "scheduler.max_num_seqs" in config and "scheduler.scheduling_policy" in config
+        assert "max_num_seqs" in config and "scheduling_policy" in (page.text_content("#config-scheduler") or "")
         assert "gateway.port" in config
         assert page.locator("#running-table tbody tr").count() >= 1
         assert "scheduler" in (page.text_content("#processes") or "")

@@ -118,7 +118,10 @@
     fillBody($("waiting-table"), (s.waiting || []).map(reqRow));
     setText("running-table-count", e.num_running == null ? "" : `(${e.num_running})`);
     setText("waiting-table-count", e.num_waiting == null ? "" : `(${e.num_waiting})`);
-    fillBody($("config"), (s.config || []).map(([k, v]) => [k, v != null && typeof v === "object" ? JSON.stringify(v) : v]));
+    const cfg = (s.config || []).map(([k, v]) => [k, v != null && typeof v === "object" ? JSON.stringify(v) : v]);
+    fillBody($("config-scheduler"), cfg.filter(([k]) => k.startsWith("scheduler."))
+      .map(([k, v]) => [k.slice("scheduler.".length), v]));
+    fillBody($("config-other"), cfg.filter(([k]) => !k.startsWith("scheduler.")));
 
     const running = e.stale ? null : e.num_running;
     const waiting = e.stale ? null : e.num_waiting;
