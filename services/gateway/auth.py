@@ -1,0 +1,330 @@
+"""The gateway's admission: who may call (API keys) and how often (per-key limits).
+
+Modes, from the gateway's config:
+
+- no ``api_key`` and no ``redis_url``, or a Redis in which no key was ever added:
+  open, every request is admitted without limits;
+- ``api_key``: a single static key (constant-time comparison), no limits;
+- ``redis_url`` with keys added by ``ferry keys``: each key has a name, a default
+  priority and per-minute request and token limits, enforced atomically in Redis
+  (see ratelimit.py), so every gateway sharing the Redis shares one allowance.
+  The static key, if also set, keeps working beside them.
+
+Redis outages: each call to Redis is bounded by ``redis_timeout_s`` (100 ms);
+on failure the gateway marks Redis degraded, stops calling it on the request
+path, and admits with per-gateway limits from its cached copy of the key
+records (refreshed every ``refresh_interval_s``), while a background task pings
+Redis and switches shared limits back on when it answers. A key this gateway
+has never seen cannot be verified during an outage and gets a 503.
+
+Secrets are never logged or stored: only their SHA-256 is looked up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from services.gateway import keystore
+from services.gateway.keystore import KeyRecord, Layout
+from services.gateway.ratelimit import ADMIT_LUA, REFUND_LUA, Decision, LocalLimiter, token_cost
+from shared.config import GatewayConfig
+
+log = logging.getLogger("ferry.gateway.auth")
+
+STATIC_KEY_NAME = "static"
+
+
+class AdmissionError(Exception):
+    """A refusal, ready to become an OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, code: str,
+                 headers: dict[str, str] | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = headers or {}
+        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
+
+
+_ERROR_TYPES = {401: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+@dataclass(frozen=True)
+class Grant:
+    """An admitted request: who it is, its default priority, the x-ratelimit-* headers."""
+
+    key_name: str | None
+    priority: int | None
+    headers: dict[str, str] = field(default_factory=dict)
+    key_hash: str | None = None
+    reserved_tokens: int = 0
+    tpm: int = 0
+    shared: bool = False
+    """True when the limits were checked in Redis (so usage is reconciled there)."""
+
+
+_OPEN = Grant(key_name=None, priority=None)
+
+
+def parse_bearer(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+class Admission:
+    def __init__(self, config: GatewayConfig, gateway_id: str, *,
+                 redis_timeout_s: float = 0.1, refresh_interval_s: float = 10.0,
+                 reconnect_interval_s: float = 0.5, namespace: str = keystore.DEFAULT_NAMESPACE) -> None:
+        self.config = config
+        self.gateway_id = gateway_id
+        self.layout = Layout(namespace)
+        self.redis_timeout_s = redis_timeout_s
+        self.refresh_interval_s = refresh_interval_s
+        self.reconnect_interval_s = reconnect_interval_s
+        self.local = LocalLimiter()
+        self._static = config.api_key.encode() if config.api_key else None
+        self._client = keystore.async_client(config.redis_url, redis_timeout_s) if config.redis_url else None
+        self._admit = self._client.register_script(ADMIT_LUA) if self._client else None
+        self._refund = self._client.register_script(REFUND_LUA) if self._client else None
+        self._auth_enabled: bool | None = None  # unknown until Redis answered once
+        self._cache: dict[str, KeyRecord] = {}
+        self._state = "disabled" if self._client is None else "connecting"
+        self._detail = ""
+        self._degraded_since: float | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.fallback_admissions = 0
+
+    # -- public API ---------------------------------------------------------
+
+    async def authorize(self, authorization_header: str | None,
+                        num_prompt_tokens: int, max_tokens: int) -> Grant:
+        self._ensure_task()
+        token = parse_bearer(authorization_header)
+        if token is not None and self._static is not None and hmac.compare_digest(token.encode(), self._static):
+            return Grant(key_name=STATIC_KEY_NAME, priority=None)
+        if self._client is None:
+            if self._static is None:
+                return _OPEN
+            raise _unauthorized(token)
+        if self._state != "degraded":
+            try:
+                return await self._authorize_shared(token, num_prompt_tokens, max_tokens)
+            except (TimeoutError, RedisError, OSError) as exc:
+                self._mark_degraded(exc)
+        return self._authorize_local(token, num_prompt_tokens, max_tokens)
+
+    async def record_usage(self, grant: Grant, num_tokens: int) -> None:
+        """Reconcile the token reservation with what the request really used."""
+        if grant.key_hash is None or grant.tpm <= 0:
+            return
+        delta = grant.reserved_tokens - num_tokens
+        if delta == 0:
+            return
+        if grant.shared and self._state == "ok" and self._refund is not None:
+            try:
+                await asyncio.wait_for(
+                    self._refund(keys=[self.layout.bucket(grant.key_hash, "tok")], args=[grant.tpm, delta]),
+                    self.redis_timeout_s,
+                )
+                return
+            except (TimeoutError, RedisError, OSError) as exc:
+                self._mark_degraded(exc)
+        self.local.refund(grant.key_hash, grant.tpm, delta)
+
+    def health(self) -> dict[str, Any]:
+        """{"redis": "ok" | "degraded" | "disabled", "detail": ..., "auth": mode, ...}."""
+        self._ensure_task()
+        out: dict[str, Any] = {
+            "redis": "ok" if self._state == "connecting" else self._state,
+            "detail": "not contacted yet" if self._state == "connecting" else self._detail,
+            "auth": self.auth_mode(),
+            "keys_cached": len(self._cache),
+        }
+        if self._degraded_since is not None:
+            out["degraded_since"] = self._degraded_since
+            out["fallback_admissions"] = self.fallback_admissions
+        return out
+
+    def auth_mode(self) -> str:
+        """'none', 'static', 'redis', 'static+redis' or 'unknown' (Redis never reached)."""
+        if self._client is None:
+            return "static" if self._static is not None else "none"
+        if self._auth_enabled is None:
+            return "unknown"
+        if self._auth_enabled:
+            return "static+redis" if self._static is not None else "redis"
+        return "static" if self._static is not None else "none"
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            # The flag ends the loop even if a library swallows the cancellation.
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=2 * self.reconnect_interval_s + 1.0)
+            self._task = None
+        if self._client is not None:
+            await self._client.aclose()
+
+    # -- shared (Redis) path ----------------------------------------------
+
+    async def _authorize_shared(self, token: str | None, num_prompt_tokens: int, max_tokens: int) -> Grant:
+        assert self._admit is not None
+        # One round trip decides everything (auth on?, key known?, limits), atomically.
+        key_hash = keystore.hash_key(token or "")
+        keys = [self.layout.auth_flag, self.layout.record(key_hash),
+                self.layout.bucket(key_hash, "req"), self.layout.bucket(key_hash, "tok")]
+        reply = await asyncio.wait_for(self._admit(keys=keys, args=[num_prompt_tokens, max_tokens]),
+                                       self.redis_timeout_s)
+        self._mark_ok()
+        status = reply[0]
+        if status == "open":
+            self._auth_enabled = False
+            if self._static is None:
+                return _OPEN
+            raise _unauthorized(token)
+        self._auth_enabled = True
+        if status == "unknown" or token is None:
+            self._cache.pop(key_hash, None)
+            raise _unauthorized(token)
+        old = self._cache.get(key_hash)
+        record = KeyRecord(name=reply[1], key_hash=key_hash, priority=int(reply[2] or 0),
+                           rpm=int(float(reply[3])), tpm=int(float(reply[4])),
+                           created=old.created if old else 0.0)
+        self._cache[key_hash] = record
+        if status == "too_large":
+            raise _too_large(num_prompt_tokens, record.tpm)
+        decision = Decision.from_script(reply)
+        return self._grant_or_raise(record=record, decision=decision, cost=int(float(reply[10])), shared=True)
+
+    async def _refresh(self) -> None:
+        assert self._client is not None
+        enabled, records = await asyncio.wait_for(keystore.load_all(self._client, self.layout),
+                                                  self.redis_timeout_s * 10)
+        self._auth_enabled = enabled
+        self._cache = records
+
+    # -- local (fallback) path ----------------------------------------------
+
+    def _authorize_local(self, token: str | None, num_prompt_tokens: int, max_tokens: int) -> Grant:
+        self.fallback_admissions += 1
+        if self._auth_enabled is None:
+            raise AdmissionError(503, "API keys cannot be verified: the key store (Redis) is unreachable",
+                                 "key_store_unavailable", {"retry-after": "1"})
+        if not self._auth_enabled:
+            if self._static is None:
+                return _OPEN
+            raise _unauthorized(token)
+        if token is None:
+            raise _unauthorized(token)
+        key_hash = keystore.hash_key(token)
+        record = self._cache.get(key_hash)
+        if record is None:
+            raise AdmissionError(503, "this API key cannot be verified while the key store (Redis) is "
+                                 "unreachable", "key_store_unavailable", {"retry-after": "1"})
+        rpm = record.rpm or self.config.default_rpm
+        if record.tpm and num_prompt_tokens > record.tpm:
+            raise _too_large(num_prompt_tokens, record.tpm)
+        cost = token_cost(num_prompt_tokens, max_tokens, record.tpm)
+        decision = self.local.admit(key_hash, rpm, record.tpm, cost)
+        return self._grant_or_raise(record=record, decision=decision, cost=cost, shared=False)
+
+    def _grant_or_raise(self, *, record: KeyRecord, decision: Decision, cost: int, shared: bool) -> Grant:
+        headers = decision.headers()
+        if not decision.allowed:
+            raise AdmissionError(
+                429, f"Rate limit reached for key {record.name!r}: limits are {_limits_text(record)}; "
+                f"retry after {headers['retry-after']} s",
+                "rate_limit_exceeded", headers,
+            )
+        return Grant(key_name=record.name, priority=record.priority, headers=headers,
+                     key_hash=record.key_hash, reserved_tokens=cost if record.tpm else 0,
+                     tpm=record.tpm, shared=shared)
+
+    # -- Redis health ------------------------------------------------------
+
+    def _mark_degraded(self, exc: BaseException) -> None:
+        if self._state != "degraded":
+            # Never log request data here: only the error class and text.
+            log.warning("redis unreachable (%s: %s); using per-gateway limits", type(exc).__name__, exc)
+            self._degraded_since = time.time()
+            self.local.clear()
+        self._state = "degraded"
+        self._detail = f"{type(exc).__name__}: {exc}"[:200]
+
+    def _mark_ok(self) -> None:
+        if self._state == "degraded":
+            # Only the watcher ends a degraded period; a stray success changes nothing.
+            return
+        self._state = "ok"
+
+    def _ensure_task(self) -> None:
+        """Start the watcher once an event loop runs (construction may happen outside one)."""
+        if self._client is None or self._closed or (self._task is not None and not self._task.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._task = loop.create_task(self._watch(), name="ferry-redis-watch")
+
+    async def _watch(self) -> None:
+        """Reconnect when degraded (every reconnect interval); refresh the key cache while healthy."""
+        since_probe = float("inf")
+        while not self._closed:
+            if self._state == "degraded" or since_probe >= self.refresh_interval_s:
+                since_probe = 0.0
+                await self._probe()
+            # Short sleeps so an outage noticed by a request is probed within one interval.
+            await asyncio.sleep(self.reconnect_interval_s)
+            since_probe += self.reconnect_interval_s
+
+    async def _probe(self) -> None:
+        try:
+            assert self._client is not None
+            await asyncio.wait_for(self._client.ping(), self.redis_timeout_s * 5)
+            await self._refresh()
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._mark_degraded(exc)
+            return
+        if self._state == "degraded":
+            log.warning("redis is back; shared limits resume")
+            self._degraded_since = None
+            self.local.clear()
+        self._state = "ok"
+        self._detail = ""
+
+
+def _limits_text(record: KeyRecord) -> str:
+    parts = []
+    if record.rpm:
+        parts.append(f"{record.rpm} requests/min")
+    if record.tpm:
+        parts.append(f"{record.tpm} tokens/min")
+    return ", ".join(parts) or "none"
+
+
+def _unauthorized(token: str | None) -> AdmissionError:
+    message = ("Missing API key: send 'Authorization: Bearer <key>'" if token is None
+               else "Incorrect API key provided")
+    return AdmissionError(401, message, "invalid_api_key", {"www-authenticate": "Bearer"})
+
+
+def _too_large(num_prompt_tokens: int, tpm: int) -> AdmissionError:
+    return AdmissionError(
+        429, f"Request too large: the prompt has {num_prompt_tokens} tokens but this key may use "
+        f"{tpm} tokens per minute; shorten the prompt", "request_too_large",
+        {"x-ratelimit-limit-tokens": str(tpm)},
+    )

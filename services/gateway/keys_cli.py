@@ -1,0 +1,95 @@
+"""``ferry keys add|list|revoke``: manage the API keys stored in Redis.
+
+The secret is printed once, by ``add``, and exists nowhere else: Redis keeps
+only its SHA-256. Gateways read keys at request time, so a new or revoked key
+takes effect on the next request (during a Redis outage gateways keep using
+their cached copy; see docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import redis
+
+from services.gateway.keystore import KeyExistsError, KeyRecord, KeyStore, Layout, sync_client
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry keys", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("FERRY_REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis holding the keys [env FERRY_REDIS_URL; default %(default)s]",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add = sub.add_parser("add", help="create a key and print its secret once")
+    add.add_argument("name")
+    add.add_argument("--priority", type=int, default=0,
+                     help="default request priority for this key (lower runs first) [0]")
+    add.add_argument("--rpm", type=_non_negative, default=0, help="requests per minute (0: unlimited)")
+    add.add_argument("--tpm", type=_non_negative, default=0,
+                     help="tokens (prompt + generated) per minute (0: unlimited)")
+    sub.add_parser("list", help="names, priorities, limits and creation times (never secrets)")
+    revoke = sub.add_parser("revoke", help="delete a key; requests using it get 401")
+    revoke.add_argument("name")
+    # Accept --redis-url after the subcommand too (`ferry keys add x --redis-url ...`).
+    for child in (add, revoke, sub.choices["list"]):
+        child.add_argument("--redis-url", dest="redis_url_sub", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def _format_list(records: list[KeyRecord]) -> str:
+    if not records:
+        return "no keys"
+    rows = [("NAME", "PRIORITY", "RPM", "TPM", "CREATED")]
+    for r in records:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.created)) + "Z"
+        rows.append((r.name, str(r.priority), str(r.rpm or "-"), str(r.tpm or "-"), created))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    url = args.redis_url_sub or args.redis_url
+    store = KeyStore(sync_client(url), Layout())
+    try:
+        if args.command == "add":
+            secret, record = store.add(args.name, priority=args.priority, rpm=args.rpm, tpm=args.tpm)
+            print(secret)
+            print(f"key {record.name!r} created (priority {record.priority}, rpm {record.rpm or 'unlimited'}, "
+                  f"tpm {record.tpm or 'unlimited'}); the secret above is shown only once",
+                  file=sys.stderr)
+        elif args.command == "list":
+            print(_format_list(store.list()))
+        elif args.command == "revoke":
+            if not store.revoke(args.name):
+                print(f"ferry keys: no key named {args.name!r}", file=sys.stderr)
+                return 1
+            print(f"key {args.name!r} revoked", file=sys.stderr)
+    except (KeyExistsError, ValueError) as exc:
+        print(f"ferry keys: {exc}", file=sys.stderr)
+        return 1
+    except redis.RedisError as exc:
+        print(f"ferry keys: cannot reach Redis at {url}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        store.client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
