@@ -43,6 +43,7 @@ from shared.config import (
     config_from_args,
     config_to_flags,
 )
+from shared.logs import add_logging_args
 
 ENDPOINT_FIELDS = {"gateway_endpoint", "plan_endpoint", "result_endpoint", "scheduler_endpoint"}
 SECRET_FIELDS = {"api_key", "redis_url"}  # passed through the environment, never on a command line
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runtime-dir", default="", help="folder for ipc sockets ('': a fresh private temp folder)")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0, help="give up if /ready fails this long")
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts of one child per minute before giving up")
-    parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
+    add_logging_args(parser)
     add_config_args(parser, SchedulerConfig, skip=ENDPOINT_FIELDS)
     taken = {a.dest for a in parser._actions}
     add_config_args(parser, WorkerConfig, skip=ENDPOINT_FIELDS | taken | {"rank"})
@@ -110,7 +111,10 @@ class Stack:
         self.gateway_config = config_from_args(
             GatewayConfig, args, **_pick(eps, GatewayConfig), redis_url=redis_url or args.redis_url
         )
-        base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FERRY_LOG_LEVEL": args.log_level}
+        base_env = {
+            **os.environ, "PYTHONUNBUFFERED": "1", "FERRY_LOG_LEVEL": args.log_level,
+            "FERRY_LOG_FORMAT": args.log_format, "FERRY_LOG_PROMPTS": "true" if args.log_prompts else "false",
+        }
         light_env = {**base_env, **SINGLE_THREAD_ENV}
         worker_env = {**base_env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                       "TOKENIZERS_PARALLELISM": "false"}

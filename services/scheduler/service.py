@@ -27,7 +27,7 @@ timeout that wakes it for the next stats message or liveness check.
 from __future__ import annotations
 
 import logging
-import resource
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +36,8 @@ import msgspec
 import psutil
 import zmq
 
+from services.scheduler.ranks import RankTable
+from services.scheduler.reports import engine_health, engine_stats
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig, config_as_dict
 from shared.messages import (
@@ -67,28 +69,11 @@ FALLBACK_MAX_MODEL_LEN = 2048
 
 
 @dataclass
-class RankState:
-    """What the scheduler knows about one worker rank."""
-
-    ready: bool = False
-    info: WorkerReady | None = None
-    pid: int = 0
-    last_seen: float = 0.0
-    rss_bytes: int = 0
-    peak_rss_bytes: int = 0
-    device_memory_peak_bytes: int = 0
-
-
-@dataclass
 class StepInFlight:
     plan: StepPlan
     started: float
     deadline: float
     results: dict[int, StepResult] = field(default_factory=dict)
-
-
-class WorkerDied(Exception):
-    """Raised inside a step when a rank is declared dead: the step is abandoned."""
 
 
 class SchedulerService:
@@ -104,14 +89,13 @@ class SchedulerService:
         self.clock = clock
         self.ctx = ctx or zmq.Context.instance()
         self.core: Scheduler | None = None
-        self.ranks = [RankState() for _ in range(config.num_workers)]
+        self.ranks = RankTable(config.num_workers, config.block_size, config.worker_heartbeat_timeout_s)
         self.gateways: dict[str, float] = {}  # gateway_id -> last time heard from
-        self.pending: list[AddRequest] = []  # requests that arrived before the handshake
+        self.pending: list[tuple[AddRequest, float]] = []  # (request, deadline) before the handshake
         self.deferred: list[ToScheduler] = []  # gateway messages received during a step
         self.worker_restarts_total = 0
         self.max_model_len = config.max_model_len
         self.model = ""
-        self.step_durations: list[float] = []
         self.step: StepInFlight | None = None
         self.last_step_id = 0
         self.core_num_kv_blocks = 0
@@ -157,8 +141,9 @@ class SchedulerService:
     def close(self) -> None:
         # Tell workers to exit so a restarted scheduler meets freshly announced ranks.
         self.plan_sock.send(encode(Shutdown(reason="scheduler stopping")))
-        for sock in (self.gateway_sock, self.plan_sock, self.result_sock):
-            sock.close(linger=0)
+        self.plan_sock.close(linger=1000)  # let the Shutdown leave
+        self.gateway_sock.close(linger=0)
+        self.result_sock.close(linger=0)
 
     def run_once(self) -> None:
         """One iteration: drain inputs, check liveness, run at most one step, report."""
@@ -173,7 +158,7 @@ class SchedulerService:
         self._maybe_send_stats()
 
     def engine_ready(self) -> bool:
-        return self.core is not None and all(r.ready for r in self.ranks)
+        return self.core is not None and self.ranks.all_ready()
 
     def _idle_timeout(self) -> float:
         return max(0.0, min(IDLE_POLL_S, self.next_stats - self.clock()))
@@ -224,7 +209,7 @@ class SchedulerService:
             ids = set(msg.req_ids)
             if self.core is not None:
                 self.core.abort_requests(list(ids))
-            self.pending = [r for r in self.pending if r.req_id not in ids]
+            self.pending = [p for p in self.pending if p[0].req_id not in ids]
 
     def _add(self, req: AddRequest) -> None:
         if self.stop_requested:
@@ -240,7 +225,9 @@ class SchedulerService:
                 5.0,
             )
         else:
-            self.pending.append(req)
+            timeout = req.queue_timeout_s if req.queue_timeout_s is not None else self.config.queue_timeout_s
+            deadline = self.clock() + max(timeout, self.config.min_queue_timeout_s) if timeout > 0 else math.inf
+            self.pending.append((req, deadline))
 
     def _reject(self, req: AddRequest, reason: str, message: str, retry_after_s: float | None) -> None:
         self._send(req.gateway_id, RequestRejected(req.req_id, reason, message, retry_after_s))
@@ -256,13 +243,13 @@ class SchedulerService:
             except msgspec.DecodeError as exc:
                 log.warning("dropping an undecodable worker message: %s", exc)
                 continue
-            if not 0 <= msg.rank < len(self.ranks):
+            if not self.ranks.valid(msg.rank):
                 log.error("message from rank %d, but this engine has %d rank(s)", msg.rank, len(self.ranks))
                 continue
             if isinstance(msg, WorkerReady):
                 self._on_ready(msg)
             elif isinstance(msg, WorkerHeartbeat):
-                self._on_heartbeat(msg)
+                self._bury(self.ranks.on_heartbeat(msg, self.clock()))
             elif isinstance(msg, StepResult):
                 self._on_result(msg)
             elif isinstance(msg, WorkerError):
@@ -271,23 +258,17 @@ class SchedulerService:
     # ------------------------------------------------------------------ workers
 
     def _on_ready(self, msg: WorkerReady) -> None:
-        state = self.ranks[msg.rank]
-        if state.ready and msg.pid == state.pid:
-            return  # a repeated announcement of a process we already use
-        if state.ready:
-            self._mark_dead(msg.rank, f"re-announced with a new pid {msg.pid} (was {state.pid})")
-        if msg.block_size != self.config.block_size:
-            log.error(
-                "rank %d uses block_size %d but the scheduler uses %d; ignoring it",
-                msg.rank, msg.block_size, self.config.block_size,
-            )
+        now = self.clock()
+        deaths, accepted = self.ranks.on_ready(msg, now)
+        self._bury(deaths)
+        if not accepted:
             return
-        state.ready, state.info, state.pid, state.last_seen = True, msg, msg.pid, self.clock()
+        self.ranks.accept(msg, now)
         log.info(
             "rank %d ready: pid %d, %d KV blocks, model %r, max_model_len %d",
             msg.rank, msg.pid, msg.num_kv_blocks, msg.model, msg.max_model_len,
         )
-        if self.core is None and all(r.ready for r in self.ranks):
+        if self.core is None and self.ranks.all_ready():
             self._build_core()
         elif self.core is not None and msg.num_kv_blocks < self.core_num_kv_blocks:
             log.error(
@@ -297,7 +278,7 @@ class SchedulerService:
         self._broadcast(self._health())
 
     def _build_core(self) -> None:
-        infos = [r.info for r in self.ranks if r.info is not None]
+        infos = self.ranks.infos()
         num_kv_blocks = self.config.num_kv_blocks or min(i.num_kv_blocks for i in infos)
         if not self.max_model_len:
             lens = [i.max_model_len for i in infos if i.max_model_len > 0]
@@ -310,63 +291,60 @@ class SchedulerService:
             num_kv_blocks, self.config.block_size, self.max_model_len, len(self.pending),
         )
         pending, self.pending = self.pending, []
-        for req in pending:
+        for req, _ in pending:
             self._add(req)
 
-    def _on_heartbeat(self, msg: WorkerHeartbeat) -> None:
-        state = self.ranks[msg.rank]
-        if state.ready and msg.pid != state.pid and msg.pid:
-            # A new process for this rank already runs, so the one we use is gone.
-            self._mark_dead(msg.rank, f"a new process (pid {msg.pid}) heartbeats for this rank")
-            return
-        if msg.pid == state.pid or not state.ready:
-            state.last_seen = self.clock()
-            state.rss_bytes = msg.rss_bytes
-            state.peak_rss_bytes = msg.peak_rss_bytes
-            state.device_memory_peak_bytes = msg.device_memory_peak_bytes
-
     def _on_result(self, msg: StepResult) -> None:
-        state = self.ranks[msg.rank]
-        if state.ready:
-            state.last_seen = self.clock()
-        if self.step is not None and msg.step_id == self.step.plan.step_id and state.ready:
+        counts = self.ranks.on_result(msg.rank, self.clock())
+        if counts and self.step is not None and msg.step_id == self.step.plan.step_id:
             self.step.results[msg.rank] = msg
         # Anything else is a late answer to a step abandoned after a fault: ignore it.
 
     def _on_error(self, msg: WorkerError) -> None:
         log.error("rank %d reported an error (step %s, fatal=%s): %s", msg.rank, msg.step_id, msg.fatal, msg.message)
         if msg.fatal:
-            self._mark_dead(msg.rank, "fatal worker error")
+            self._bury([(msg.rank, "fatal worker error")])
         elif self.step is not None and self.core is not None:
             # The step failed but the process lives: recompute everything it held.
             self.step = None
             self.core.preempt_all()
 
-    def _mark_dead(self, rank: int, reason: str) -> None:
-        state = self.ranks[rank]
-        if not state.ready:
-            return
-        state.ready = False
-        self.worker_restarts_total += 1
-        log.warning("rank %d (pid %d) is dead: %s; waiting for it to announce itself again", rank, state.pid, reason)
-        if self.core is not None:
-            self.step = None
-            self.core.preempt_all()
-        self._broadcast(self._health())
+    def _bury(self, deaths: list[tuple[int, str]]) -> None:
+        """Declare ranks dead: abandon the step in flight and recompute every running request."""
+        for rank, reason in deaths:
+            if not self.ranks.mark_dead(rank):
+                continue
+            self.worker_restarts_total += 1
+            log.warning("rank %d (pid %d) is dead: %s; waiting for it to announce itself again",
+                        rank, self.ranks.pid(rank), reason)
+            if self.core is not None:
+                self.step = None
+                self.core.preempt_all()
+            self._broadcast(self._health())
 
     def _check_liveness(self) -> None:
         now = self.clock()
-        for rank, state in enumerate(self.ranks):
-            silent = now - state.last_seen
-            if state.ready and silent > self.config.worker_heartbeat_timeout_s:
-                self._mark_dead(rank, f"no heartbeat for {silent:.1f}s")
+        if self.pending:
+            self._expire_pending(now)
+        self._bury(self.ranks.silent(now))
         for gateway_id, last_seen in list(self.gateways.items()):
             if now - last_seen > self.config.gateway_timeout_s:
                 del self.gateways[gateway_id]
                 num = self.core.abort_gateway(gateway_id) if self.core is not None else 0
-                num += sum(1 for r in self.pending if r.gateway_id == gateway_id)
-                self.pending = [r for r in self.pending if r.gateway_id != gateway_id]
+                num += sum(1 for r, _ in self.pending if r.gateway_id == gateway_id)
+                self.pending = [p for p in self.pending if p[0].gateway_id != gateway_id]
                 log.warning("gateway %s silent for %.1fs: aborted its %d request(s)", gateway_id, now - last_seen, num)
+
+    def _expire_pending(self, now: float) -> None:
+        """Requests queued before the workers were up end like any queue timeout."""
+        keep = []
+        for req, deadline in self.pending:
+            if deadline <= now:
+                self._reject(req, "timeout", "the engine did not become ready within the request's queue timeout",
+                             None)
+            else:
+                keep.append((req, deadline))
+        self.pending = keep
 
     # ------------------------------------------------------------------ stepping
 
@@ -386,7 +364,6 @@ class SchedulerService:
         result = self._wait_for_results()
         self.step = None
         if result is not None:
-            self.step_durations.append(self.clock() - started)
             self.core.update_from_result(plan, result)
         deferred, self.deferred = self.deferred, []
         for msg in deferred:
@@ -404,8 +381,8 @@ class SchedulerService:
                 return step.results[0]
             now = self.clock()
             if now >= step.deadline:
-                for rank in missing:
-                    self._mark_dead(rank, f"no result for step {step.plan.step_id} in {self.config.step_timeout_s}s")
+                timeout = self.config.step_timeout_s
+                self._bury([(rank, f"no result for step {step.plan.step_id} in {timeout}s") for rank in missing])
                 return None
             self._poll(min(IDLE_POLL_S, step.deadline - now))
             self._check_liveness()
@@ -440,48 +417,12 @@ class SchedulerService:
                 self._broadcast(self._stats())
 
     def _health(self) -> EngineHealth:
-        ready = [i for i, r in enumerate(self.ranks) if r.ready]
-        missing = [i for i, r in enumerate(self.ranks) if not r.ready]
-        if self.stop_requested:
-            detail = "shutting down"
-        elif missing:
-            detail = f"waiting for WorkerReady from rank(s) {missing}"
-        else:
-            detail = "ready"
-        return EngineHealth(
-            time=time.time(),
-            scheduler_ready=self.engine_ready() and not self.stop_requested,
-            num_workers=len(self.ranks),
-            workers_ready=ready,
-            model=self.model,
-            max_model_len=self.max_model_len,
-            block_size=self.config.block_size,
-            detail=detail,
+        return engine_health(
+            self.ranks, ready=self.engine_ready(), stopping=self.stop_requested, model=self.model,
+            max_model_len=self.max_model_len, block_size=self.config.block_size,
         )
 
     def _stats(self) -> EngineStats:
         assert self.core is not None
-        stats = self.core.stats()
-        rss = {"scheduler": self.process.memory_info().rss}
-        # ru_maxrss is in KiB on Linux.
-        peak = {"scheduler": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        device: dict[str, int] = {}
-        for rank, state in enumerate(self.ranks):
-            if state.rss_bytes:
-                rss[f"worker{rank}"] = state.rss_bytes
-                peak[f"worker{rank}"] = state.peak_rss_bytes
-            if state.device_memory_peak_bytes:
-                device[f"worker{rank}"] = state.device_memory_peak_bytes
-        durations, self.step_durations = self.step_durations, []
-        return msgspec.structs.replace(
-            stats,
-            time=time.time(),
-            worker_restarts_total=self.worker_restarts_total,
-            process_rss_bytes={**stats.process_rss_bytes, **rss},
-            process_peak_rss_bytes={**stats.process_peak_rss_bytes, **peak},
-            device_memory_peak_bytes={**stats.device_memory_peak_bytes, **device},
-            workers_ready=[i for i, r in enumerate(self.ranks) if r.ready],
-            config={**self.config_strings, **stats.config, "max_model_len": str(self.max_model_len),
-                    "num_kv_blocks": str(self.core_num_kv_blocks)},
-            step_duration_s=stats.step_duration_s or durations,
-        )
+        return engine_stats(self.core.stats(), self.ranks, self.process, self.worker_restarts_total,
+                            self.config_strings)

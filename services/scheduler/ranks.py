@@ -1,0 +1,122 @@
+"""What the scheduler service knows about its worker ranks, and when one is dead.
+
+A rank is *ready* from its ``WorkerReady`` until it is declared dead. It is dead
+when its process is silent (no heartbeat and no result) for
+``worker_heartbeat_timeout_s``, when a different pid speaks for the same rank (the
+supervisor already restarted it), or when the service says so (step timeout,
+fatal ``WorkerError``). The table only decides; the service acts (abandons the
+step, ``preempt_all()``, tells gateways).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shared.messages import WorkerHeartbeat, WorkerReady
+
+log = logging.getLogger("ferry.scheduler")
+
+Death = tuple[int, str]  # (rank, why)
+
+
+@dataclass
+class RankState:
+    ready: bool = False
+    info: WorkerReady | None = None
+    pid: int = 0
+    last_seen: float = 0.0
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
+    device_memory_peak_bytes: int = 0
+
+
+class RankTable:
+    def __init__(self, num_workers: int, block_size: int, heartbeat_timeout_s: float) -> None:
+        self.block_size = block_size
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.states = [RankState() for _ in range(num_workers)]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def valid(self, rank: int) -> bool:
+        return 0 <= rank < len(self.states)
+
+    def all_ready(self) -> bool:
+        return all(s.ready for s in self.states)
+
+    def ready_ranks(self) -> list[int]:
+        return [i for i, s in enumerate(self.states) if s.ready]
+
+    def missing_ranks(self) -> list[int]:
+        return [i for i, s in enumerate(self.states) if not s.ready]
+
+    def infos(self) -> list[WorkerReady]:
+        return [s.info for s in self.states if s.info is not None]
+
+    def on_ready(self, msg: WorkerReady, now: float) -> tuple[list[Death], bool]:
+        """(deaths, accepted): a new pid replaces (kills) the process we used."""
+        state = self.states[msg.rank]
+        if state.ready and msg.pid == state.pid:
+            return [], False  # a repeated announcement of a process we already use
+        deaths: list[Death] = []
+        if state.ready:
+            deaths.append((msg.rank, f"re-announced with a new pid {msg.pid} (was {state.pid})"))
+        if msg.block_size != self.block_size:
+            log.error("rank %d uses block_size %d but the scheduler uses %d; ignoring it",
+                      msg.rank, msg.block_size, self.block_size)
+            return deaths, False
+        return deaths, True
+
+    def accept(self, msg: WorkerReady, now: float) -> None:
+        state = self.states[msg.rank]
+        state.ready, state.info, state.pid, state.last_seen = True, msg, msg.pid, now
+
+    def on_heartbeat(self, msg: WorkerHeartbeat, now: float) -> list[Death]:
+        state = self.states[msg.rank]
+        if state.ready and msg.pid and msg.pid != state.pid:
+            # A new process for this rank already runs, so the one we use is gone.
+            return [(msg.rank, f"a new process (pid {msg.pid}) heartbeats for this rank")]
+        if msg.pid == state.pid or not state.ready:
+            state.last_seen = now
+            state.rss_bytes = msg.rss_bytes
+            state.peak_rss_bytes = msg.peak_rss_bytes
+            state.device_memory_peak_bytes = msg.device_memory_peak_bytes
+        return []
+
+    def on_result(self, rank: int, now: float) -> bool:
+        """A result counts only from a ready rank (late answers of dead ones do not)."""
+        state = self.states[rank]
+        if state.ready:
+            state.last_seen = now
+        return state.ready
+
+    def mark_dead(self, rank: int) -> bool:
+        """True if the rank was ready (so this is news)."""
+        state = self.states[rank]
+        was_ready, state.ready = state.ready, False
+        return was_ready
+
+    def silent(self, now: float) -> list[Death]:
+        return [
+            (rank, f"no heartbeat for {now - s.last_seen:.1f}s")
+            for rank, s in enumerate(self.states)
+            if s.ready and now - s.last_seen > self.heartbeat_timeout_s
+        ]
+
+    def pid(self, rank: int) -> int:
+        return self.states[rank].pid
+
+    def memory(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """(rss, peak rss, device peak) per worker, keyed "worker<rank>", from heartbeats."""
+        rss: dict[str, int] = {}
+        peak: dict[str, int] = {}
+        device: dict[str, int] = {}
+        for rank, state in enumerate(self.states):
+            if state.rss_bytes:
+                rss[f"worker{rank}"] = state.rss_bytes
+                peak[f"worker{rank}"] = state.peak_rss_bytes
+            if state.device_memory_peak_bytes:
+                device[f"worker{rank}"] = state.device_memory_peak_bytes
+        return rss, peak, device
