@@ -32,23 +32,24 @@ class Request:
     """Mutable scheduler-side state of one request."""
 
     __slots__ = (
-        "req_id", "gateway_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling", "stop",
+        "req_id", "gateway_id", "prompt_token_ids", "all_token_ids", "sampling", "stop",
         "eos_ids", "stop_ids", "priority", "arrival_time", "seq", "deadline", "status", "num_computed_tokens",
         "num_cached_tokens", "first_scheduled_time", "first_token_time", "num_preemptions", "block_hashes",
-        "block_keys", "known_to_worker", "sent_first_delta", "finish_reason", "max_total_tokens",
+        "block_keys", "known_to_worker", "sent_first_delta", "finish_reason", "max_total_tokens", "num_tokens",
+        "stop_check_ids", "num_token_slots", "num_cached_blocks",
     )
 
     def __init__(self, add: AddRequest, seq: int, arrival_time: float, deadline: float, max_model_len: int) -> None:
         self.req_id = add.req_id
         self.gateway_id = add.gateway_id
         self.prompt_token_ids: list[int] = list(add.prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        # Prompt then outputs: what the prefix hashes and the recompute path read.
+        # Prompt then outputs, in one list: what the prefix hashes and the recompute path read.
         self.all_token_ids: list[int] = list(add.prompt_token_ids)
         self.sampling: SamplingParams = add.sampling
         self.stop: StopParams = add.stop
         self.eos_ids = frozenset(() if add.stop.ignore_eos else add.stop.eos_token_ids)
         self.stop_ids = frozenset(add.stop.stop_token_ids)
+        self.stop_check_ids = self.eos_ids | self.stop_ids  # one set lookup on the hot path
         self.priority = add.priority
         self.arrival_time = arrival_time
         self.seq = seq  # arrival order at this scheduler: FCFS order and tie-breaker
@@ -65,10 +66,16 @@ class Request:
         self.sent_first_delta = False
         self.finish_reason: str | None = None
         self.max_total_tokens = min(max_model_len, len(add.prompt_token_ids) + add.stop.max_tokens)
+        self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)
+        # Caches of ledger facts for the hot path, reset whenever the blocks are freed:
+        self.num_token_slots = 0  # len(block table) * block_size
+        self.num_cached_blocks = 0  # full computed blocks already offered to the prefix cache
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+    def reset_progress(self) -> None:
+        """Its blocks were freed (preemption): it will be recomputed from the start."""
+        self.num_computed_tokens = 0
+        self.num_token_slots = 0
+        self.num_cached_blocks = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,14 +83,19 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return self.num_tokens - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy: the tokens generated so far."""
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.block_keys, self.all_token_ids, block_size)
 
     def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def check_stop(self, token_id: int) -> tuple[str, int | None] | None:
         """After ``token_id`` was appended: (finish_reason, stop_token_id) or None."""

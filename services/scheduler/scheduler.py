@@ -140,7 +140,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.seq, reverse=True):
             self.ledger.free(req.req_id)
             req.status = RequestStatus.WAITING
-            req.num_computed_tokens = 0
+            req.reset_progress()
             req.known_to_worker = False
             self._push_waiting(req, preempted=True)
         self.running = []
@@ -174,7 +174,8 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, apply stop conditions.
 
         Tolerant by design: requests aborted or preempted while the step ran, and
-        plans from before a ``preempt_all``, are skipped.
+        plans from before a ``preempt_all``, are skipped. This is the hot path (once
+        per running request per step), hence the inlined common case.
         """
         started = self._plan_time.pop(plan.step_id, None)
         if started is None:
@@ -186,34 +187,47 @@ class Scheduler:
             dict(zip(result.req_ids, result.logprobs, strict=False)) if result.logprobs else {}
         )
         requests = self.requests
-        ledger = self.ledger
         block_size = self.block_size
-        caching = ledger.enable_prefix_caching
+        caching = self.ledger.enable_prefix_caching
+        deltas = self._deltas
+        running_status = RequestStatus.RUNNING
+        num_generated = 0
         any_finished = False
         for req_id, num_scheduled in plan.num_scheduled_tokens.items():
             req = requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            if req is None or req.status is not running_status:
                 continue
-            req.num_computed_tokens += num_scheduled
-            if caching and req.num_computed_tokens // block_size > len(req.block_hashes):
-                req.update_block_hashes(block_size)
-            if caching:
-                ledger.cache_blocks(req_id, req.block_hashes, req.block_keys, req.num_computed_tokens)
-            if req.num_computed_tokens < req.num_tokens:
+            computed = req.num_computed_tokens + num_scheduled
+            req.num_computed_tokens = computed
+            if caching and computed // block_size > req.num_cached_blocks:
+                self._cache_computed_blocks(req)
+            if computed < req.num_tokens:
                 continue  # a partial prefill chunk: nothing sampled
             token_id = sampled.get(req_id)
             if token_id is None:
                 self._finish(req, "error", now, error=f"the worker returned no token in step {plan.step_id}")
                 any_finished = True
                 continue
-            any_finished |= self._on_token(req, token_id, logprobs.get(req_id), now)
+            num_generated += 1
+            lp = logprobs.get(req_id) if logprobs else None
+            req.all_token_ids.append(token_id)
+            req.num_tokens += 1
+            if req.sent_first_delta and token_id not in req.stop_check_ids and req.num_tokens < req.max_total_tokens:
+                # The common case: a decode that goes on.
+                deltas[req.gateway_id].append(RequestDelta(req_id, [token_id], [lp] if lp is not None else None))
+                continue
+            any_finished |= self._on_token(req, token_id, lp, now)
+        self.counters.generation_tokens += num_generated
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
 
+    def _cache_computed_blocks(self, req: Request) -> None:
+        req.update_block_hashes(self.block_size)
+        self.ledger.cache_blocks(req.req_id, req.block_hashes, req.block_keys, req.num_computed_tokens)
+        req.num_cached_blocks = req.num_computed_tokens // self.block_size
+
     def _on_token(self, req: Request, token_id: int, logprob: SampleLogprobs | None, now: float) -> bool:
-        """Append one sampled token and emit its delta; True if the request finished."""
-        req.append_token(token_id)
-        self.counters.generation_tokens += 1
+        """Emit the delta of a token just appended (first token or stop); True if the request finished."""
         stop = req.check_stop(token_id)
         first = not req.sent_first_delta
         if first:
@@ -311,6 +325,7 @@ class Scheduler:
             assert req.status is RequestStatus.RUNNING, f"{req} in the running list"
             table = self.ledger.block_tables[req.req_id]
             assert len(table) * self.block_size >= req.num_computed_tokens, f"{req} outgrew its blocks {table}"
+            assert req.num_token_slots == len(table) * self.block_size, f"{req}: stale slot count"
             assert req.num_computed_tokens <= req.num_tokens, f"{req} computed more than it has"
         waiting = list(self.waiting)
         assert len(waiting) == len(self.waiting), f"waiting queue counts {len(self.waiting)}, holds {len(waiting)}"

@@ -55,30 +55,47 @@ class StepBuilder:
     def schedule_running(self) -> None:
         sched = self.sched
         allocate = sched.ledger.allocate
+        block_size = sched.block_size
         running = sched.running
+        num_scheduled = self.num_scheduled
+        new_block_ids = self.new_block_ids
+        threshold = self.threshold
+        budget = self.budget
         i = 0
-        while i < len(running) and self.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
-            n = self._chunk(req.num_tokens - req.num_computed_tokens)
+            n = req.num_tokens - req.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
             if n <= 0:
                 i += 1
                 continue
-            blocks = allocate(req.req_id, req.num_computed_tokens + n)
-            while blocks is None:
-                victim = self._pick_victim()
-                victim_index = running.index(victim)
-                self._preempt(victim)
-                if victim is req:
-                    break
-                if victim_index < i:
-                    i -= 1
-                blocks = allocate(req.req_id, req.num_computed_tokens + n)
-            if blocks is None:
-                continue  # req preempted itself; running[i] is now the next request
-            self.num_scheduled[req.req_id] = n
-            self.new_block_ids[req.req_id] = blocks
-            self.budget -= n
+            end = req.num_computed_tokens + n
+            if end <= req.num_token_slots:
+                blocks: list[int] | None = []  # the common decode: room in its last block
+            else:
+                blocks = allocate(req.req_id, end)
+                while blocks is None:
+                    victim = self._pick_victim()
+                    victim_index = running.index(victim)
+                    self.budget = budget
+                    self._preempt(victim)
+                    budget = self.budget
+                    if victim is req:
+                        break
+                    if victim_index < i:
+                        i -= 1
+                    blocks = allocate(req.req_id, end)
+                if blocks is None:
+                    continue  # req preempted itself; running[i] is now the next request
+                req.num_token_slots += len(blocks) * block_size
+            num_scheduled[req.req_id] = n
+            new_block_ids[req.req_id] = blocks
+            budget -= n
             i += 1
+        self.budget = budget
 
     def _victim_key(self, req: Request) -> tuple[int, int]:
         return (req.priority if self.sched.priority_policy else 0, req.seq)
@@ -92,7 +109,7 @@ class StepBuilder:
         sched.running.remove(victim)
         sched.ledger.free(victim.req_id)
         victim.status = RequestStatus.WAITING
-        victim.num_computed_tokens = 0
+        victim.reset_progress()
         victim.num_preemptions += 1
         sched.counters.num_preemptions += 1
         if victim.known_to_worker:
@@ -161,6 +178,8 @@ class StepBuilder:
         assert popped is req, f"admitted {req} but the queue head was {popped}"
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_computed
+        req.num_token_slots = len(blocks) * block_size
+        req.num_cached_blocks = len(hits)
         sched.running.append(req)
         counters = sched.counters
         counters.record_drain(self.now)
@@ -188,7 +207,7 @@ class StepBuilder:
                 continue  # admitted, then preempted for a more important request
             data = NewRequestData(
                 req.req_id, req.prompt_token_ids, req.sampling, list(tables[req.req_id]),
-                req.num_computed_tokens, list(req.output_token_ids),
+                req.num_computed_tokens, req.output_token_ids,
             )
             (resumed_requests if resumed else new_requests).append(data)
             req.known_to_worker = True
