@@ -53,10 +53,7 @@ class StepBuilder:
     # ------------------------------------------------------------------ running
 
     def schedule_running(self) -> None:
-        sched = self.sched
-        allocate = sched.ledger.allocate
-        block_size = sched.block_size
-        running = sched.running
+        running = self.sched.running
         num_scheduled = self.num_scheduled
         new_block_ids = self.new_block_ids
         threshold = self.threshold
@@ -74,28 +71,40 @@ class StepBuilder:
                 continue
             end = req.num_computed_tokens + n
             if end <= req.num_token_slots:
-                blocks: list[int] | None = []  # the common decode: room in its last block
+                blocks = []  # the common decode: room in its last block
             else:
-                blocks = allocate(req.req_id, end)
-                while blocks is None:
-                    victim = self._pick_victim()
-                    victim_index = running.index(victim)
-                    self.budget = budget
-                    self._preempt(victim)
-                    budget = self.budget
-                    if victim is req:
-                        break
-                    if victim_index < i:
-                        i -= 1
-                    blocks = allocate(req.req_id, end)
-                if blocks is None:
+                self.budget = budget
+                grown, num_removed_before = self._grow_or_preempt(req, end, i)
+                budget = self.budget
+                i -= num_removed_before
+                if grown is None:
                     continue  # req preempted itself; running[i] is now the next request
-                req.num_token_slots += len(blocks) * block_size
+                blocks = grown
             num_scheduled[req.req_id] = n
             new_block_ids[req.req_id] = blocks
             budget -= n
             i += 1
         self.budget = budget
+
+    def _grow_or_preempt(self, req: Request, end: int, index: int) -> tuple[list[int] | None, int]:
+        """Grow ``req`` (at ``running[index]``) to ``end`` tokens, preempting victims until
+        it fits. Returns (new block ids or None if ``req`` itself was preempted, how many
+        preempted requests stood before ``index``)."""
+        running = self.sched.running
+        allocate = self.sched.ledger.allocate
+        num_removed_before = 0
+        blocks = allocate(req.req_id, end)
+        while blocks is None:
+            victim = self._pick_victim()
+            if running.index(victim) < index:
+                num_removed_before += 1
+                index -= 1
+            self._preempt(victim)
+            if victim is req:
+                return None, num_removed_before
+            blocks = allocate(req.req_id, end)
+        req.num_token_slots += len(blocks) * self.sched.block_size
+        return blocks, num_removed_before
 
     def _victim_key(self, req: Request) -> tuple[int, int]:
         return (req.priority if self.sched.priority_policy else 0, req.seq)
