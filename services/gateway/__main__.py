@@ -66,12 +66,11 @@ def check_public_bind(config: GatewayConfig) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(GatewayConfig, args)
-    setup_logging_from_args("gateway", args)
     error = check_public_bind(config)
     if error is not None:
-        log.error(error)
         print(f"ferry gateway: {error}", file=sys.stderr)
         return 2
+    setup_logging_from_args("gateway", args)
 
     import uvicorn
 

@@ -36,7 +36,7 @@ misc = APIRouter()
 @misc.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     st = state_of(request)
-    card = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "ferry",
+    card = {"id": st.model_name, "object": "model", "created": st.started_at, "owned_by": "ferry",
             "root": st.config.model, "parent": None, "max_model_len": st.max_model_len()}
     return {"object": "list", "data": [card]}
 

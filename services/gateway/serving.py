@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.auth import AdmissionError, Grant
 from services.gateway.errors import APIError
@@ -40,6 +40,7 @@ log = logging.getLogger("ferry.gateway.requests")
 router = APIRouter()
 
 STREAM_HEADER_WAIT_S = 1.0
+STREAM_STALL_TIMEOUT_S = 30.0
 # tokenizing a long prompt off the event loop keeps other streams flowing
 TOKENIZE_IN_THREAD_CHARS = 16_384
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, logs do
@@ -157,7 +158,8 @@ class _DisconnectAwareStream(StreamingResponse):
     """A stream that always watches for the client leaving, and always closes its iterator.
 
     Starlette skips the disconnect listener on newer ASGI servers and relies on a
-    failing write; a request still queued writes nothing, so the watch is kept.
+    failing write; a request still queued writes nothing, so the watch is kept. A
+    write blocked for ``STREAM_STALL_TIMEOUT_S`` (an abandoned reader) ends it too.
     ``on_close`` runs however the stream ends (finished, client gone, error).
     """
 
@@ -168,9 +170,17 @@ class _DisconnectAwareStream(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_or_give_up(message: Message) -> None:
+            # a client that keeps the connection open but stops reading blocks the write
+            # once buffers fill; treat it like a client that left
+            try:
+                await asyncio.wait_for(send(message), STREAM_STALL_TIMEOUT_S)
+            except TimeoutError as e:
+                raise OSError("the client stopped reading the stream") from e
+
         try:
             async with asyncio.TaskGroup() as tg:
-                stream = tg.create_task(self.stream_response(send))
+                stream = tg.create_task(self.stream_response(send_or_give_up))
                 listen = tg.create_task(self.listen_for_disconnect(receive))
                 stream.add_done_callback(lambda _: listen.cancel())
                 listen.add_done_callback(lambda _: stream.cancel())

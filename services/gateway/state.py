@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -44,6 +45,7 @@ class GatewayState:
     admission: Admission
     served_names: frozenset[str]
     background: set[Any] = field(default_factory=set)
+    started_at: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def model_name(self) -> str:

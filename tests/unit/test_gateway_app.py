@@ -234,6 +234,16 @@ def test_scheduler_death_fails_in_flight_and_recovers(env: Env) -> None:
     env.stop_fake()
 
 
+def test_silent_scheduler_is_down_until_it_speaks_again(env: Env, fake: FakeScheduler) -> None:
+    fake.hold = True
+    fake.mute = True
+    resp = env.http.post("/v1/completions", json=COMPLETION)  # fails after scheduler_timeout_s=2
+    assert resp.status_code == 503 and "silent" in resp.json()["error"]["message"]
+    assert env.http.get("/ready").status_code == 503
+    fake.mute = False
+    wait_until(lambda: env.http.get("/ready").status_code == 200, 3, "ready once it speaks again")
+
+
 def test_metrics_config_and_heartbeats(env: Env, fake: FakeScheduler) -> None:
     env.http.post("/v1/completions", json=COMPLETION)
     metrics = env.http.get("/metrics")

@@ -89,6 +89,7 @@ class FakeScheduler:
         self.finish_now: str | None = None  # finish new requests at once with this reason
         self.eos_after: int | None = None  # emit EOS as the N-th token (finish "stop")
         self.cached_tokens = 0
+        self.mute = False  # alive but silent (a hung scheduler): sends nothing at all
         self.workers_ready = [0]
         self.lock = threading.Lock()
         self._running: dict[str, dict[str, Any]] = {}
@@ -120,7 +121,8 @@ class FakeScheduler:
     # -- loop --------------------------------------------------------------------
 
     def _send(self, gw: bytes, msg: Any) -> None:
-        self._sock.send_multipart([gw, encode(msg)])
+        if not self.mute:
+            self._sock.send_multipart([gw, encode(msg)])
 
     def _health(self) -> EngineHealth:
         return EngineHealth(time=time.time(), scheduler_ready=True, num_workers=1,
