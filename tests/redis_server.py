@@ -39,8 +39,9 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, persist: bool = False) -> None:
         self.port = port or free_port()
+        self.persist = persist
         self.dir = tempfile.mkdtemp(prefix="ferry-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -49,8 +50,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
+        # persist: an fsync'd append-only file, so data survives SIGKILL and restart.
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
         cmd = [redis_executable(), "--port", str(self.port), "--bind", "127.0.0.1",
-               "--save", "", "--appendonly", "no", "--dir", self.dir, "--loglevel", "warning"]
+               "--save", "", *aof, "--dir", self.dir, "--loglevel", "warning"]
         log = open(Path(self.dir) / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + timeout_s

@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 from services.gateway import keystore
 from services.gateway.keystore import KeyRecord, Layout
-from services.gateway.ratelimit import ADMIT_LUA, REFUND_LUA, Decision, LocalLimiter, token_cost
+from services.gateway.ratelimit import Decision, LocalLimiter, SharedLimiter, token_cost
 from shared.config import GatewayConfig
 
 log = logging.getLogger("ferry.gateway.auth")
@@ -96,8 +96,8 @@ class Admission:
         self.local = LocalLimiter()
         self._static = config.api_key.encode() if config.api_key else None
         self._client = keystore.async_client(config.redis_url, redis_timeout_s) if config.redis_url else None
-        self._admit = self._client.register_script(ADMIT_LUA) if self._client else None
-        self._refund = self._client.register_script(REFUND_LUA) if self._client else None
+        self._shared = SharedLimiter(self._client, redis_timeout_s) if self._client else None
+        self._consecutive_timeouts = 0
         self._auth_enabled: bool | None = None  # unknown until Redis answered once
         self._cache: dict[str, KeyRecord] = {}
         self._state = "disabled" if self._client is None else "connecting"
@@ -123,7 +123,7 @@ class Admission:
             try:
                 return await self._authorize_shared(token, num_prompt_tokens, max_tokens)
             except (TimeoutError, RedisError, OSError) as exc:
-                self._mark_degraded(exc)
+                self._on_failure(exc)
         return self._authorize_local(token, num_prompt_tokens, max_tokens)
 
     async def record_usage(self, grant: Grant, num_tokens: int) -> None:
@@ -133,15 +133,12 @@ class Admission:
         delta = grant.reserved_tokens - num_tokens
         if delta == 0:
             return
-        if grant.shared and self._state == "ok" and self._refund is not None:
+        if grant.shared and self._state != "degraded" and self._shared is not None:
             try:
-                await asyncio.wait_for(
-                    self._refund(keys=[self.layout.bucket(grant.key_hash, "tok")], args=[grant.tpm, delta]),
-                    self.redis_timeout_s,
-                )
+                await self._shared.refund(self.layout.bucket(grant.key_hash, "tok"), grant.tpm, delta)
                 return
             except (TimeoutError, RedisError, OSError) as exc:
-                self._mark_degraded(exc)
+                self._on_failure(exc)
         self.local.refund(grant.key_hash, grant.tpm, delta)
 
     def health(self) -> dict[str, Any]:
@@ -181,13 +178,13 @@ class Admission:
     # -- shared (Redis) path ----------------------------------------------
 
     async def _authorize_shared(self, token: str | None, num_prompt_tokens: int, max_tokens: int) -> Grant:
-        assert self._admit is not None
-        # One round trip decides everything (auth on?, key known?, limits), atomically.
+        assert self._shared is not None
+        # One script decides everything (auth on?, key known?, limits), atomically.
         key_hash = keystore.hash_key(token or "")
         keys = [self.layout.auth_flag, self.layout.record(key_hash),
                 self.layout.bucket(key_hash, "req"), self.layout.bucket(key_hash, "tok")]
-        reply = await asyncio.wait_for(self._admit(keys=keys, args=[num_prompt_tokens, max_tokens]),
-                                       self.redis_timeout_s)
+        reply = await self._shared.admit(keys, [num_prompt_tokens, max_tokens])
+        self._consecutive_timeouts = 0
         self._mark_ok()
         status = reply[0]
         if status == "open":
@@ -254,6 +251,14 @@ class Admission:
                      tpm=record.tpm, shared=shared)
 
     # -- Redis health ------------------------------------------------------
+
+    def _on_failure(self, exc: BaseException) -> None:
+        """A refused or reset connection means Redis is down; one timeout may be our own busy loop."""
+        if isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__:
+            self._consecutive_timeouts += 1
+            if self._consecutive_timeouts < 2:
+                return
+        self._mark_degraded(exc)
 
     def _mark_degraded(self, exc: BaseException) -> None:
         if self._state != "degraded":

@@ -25,9 +25,13 @@ more if the request used more than it reserved. The bucket may go negative
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
 
 WINDOW_S = 60.0
 
@@ -234,3 +238,63 @@ class LocalLimiter:
 
     def __len__(self) -> int:
         return len(self._buckets)
+
+
+class SharedLimiter:
+    """Runs the admission script in Redis, coalescing concurrent calls into one round trip.
+
+    Every request waiting at the same moment goes out in one pipeline on one
+    connection (each script still runs atomically on its own), so a burst of
+    requests costs one round trip, not one connection each: a burst never turns
+    into a storm of connects that would time out against a healthy Redis.
+    """
+
+    MAX_BATCH = 256
+
+    def __init__(self, client: aioredis.Redis, timeout_s: float) -> None:
+        self.client = client
+        self.timeout_s = timeout_s
+        self._admit = client.register_script(ADMIT_LUA)
+        self._refund = client.register_script(REFUND_LUA)
+        self._pending: list[tuple[list[str], list[int], asyncio.Future[list[str]]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def admit(self, keys: list[str], args: list[int]) -> list[str]:
+        """The script's reply; raises RedisError/OSError/TimeoutError when Redis fails."""
+        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        self._pending.append((keys, args, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        return await asyncio.wait_for(asyncio.shield(future), self.timeout_s * 2)
+
+    async def refund(self, key: str, tpm: int, delta: int) -> None:
+        await asyncio.wait_for(self._refund(keys=[key], args=[tpm, delta]), self.timeout_s)
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH:]
+            try:
+                replies = await asyncio.wait_for(self._run(batch), self.timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc if isinstance(exc, Exception) else TimeoutError())
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for (_, _, future), reply in zip(batch, replies, strict=True):
+                if future.done():
+                    continue
+                if isinstance(reply, Exception):
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
+
+    async def _run(self, batch: list[tuple[list[str], list[int], asyncio.Future[list[str]]]]) -> list[Any]:
+        if len(batch) == 1:
+            keys, args, _ = batch[0]
+            return [await self._admit(keys=keys, args=args)]
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args, _ in batch:
+            await self._admit(keys=keys, args=args, client=pipe)
+        return list(await pipe.execute(raise_on_error=False))
