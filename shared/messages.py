@@ -230,6 +230,7 @@ class StepPlan(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
     reason: str = ""
+    rank: int | None = None  # None: every rank; else only that rank exits (to be restarted)
 
 
 # ---------------------------------------------------------------------------

@@ -52,6 +52,7 @@ CASES: list[tuple[msgspec.Struct, msgspec.msgpack.Decoder]] = [
         m.to_worker_decoder,
     ),
     (m.Shutdown("bye"), m.to_worker_decoder),
+    (m.Shutdown("rank 1 was declared dead", rank=1), m.to_worker_decoder),
     (m.WorkerReady(rank=0, num_kv_blocks=100, block_size=16, model="x", pid=5), m.from_worker_decoder),
     (m.StepResult(step_id=3, rank=0, req_ids=["r1"], sampled_token_ids=[8], logprobs=[LP], forward_s=0.1), m.from_worker_decoder),
     (m.WorkerHeartbeat(rank=0, pid=9, time=3.0, rss_bytes=100, peak_rss_bytes=200), m.from_worker_decoder),
