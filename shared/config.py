@@ -127,6 +127,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where converted GGUF tokenizers are cached ('': ~/.cache/ferry)."""
     scheduler_timeout_s: float = 10.0
     """A scheduler silent this long is treated as down (a dead process is noticed at once)."""
+    shutdown_grace_s: float = 10.0
+    """On SIGTERM: stop accepting, give in-flight requests this long to finish, then abort them."""
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import sys
 
 from services.gateway.keystore import Layout, sync_client
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("gateway starting", extra={"config": st.effective_config()["gateway"], "gateway_id": st.gateway_id,
                                         "tokenizer": str(st.tokenizer.folder)})
     uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=30)
+                timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_grace_s)))
     return 0
 
 

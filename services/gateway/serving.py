@@ -121,6 +121,9 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping this handler
+        task.cancel()
+        raise
     finally:
         watch.cancel()
     if task.done():
