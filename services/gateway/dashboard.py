@@ -59,6 +59,8 @@ def _processes(stats: EngineStats | None, metrics: GatewayMetrics) -> list[dict[
     device: dict[str, int] = dict(stats.device_memory_peak_bytes) if stats else {}
     own = metrics.own_memory()
     rss[GATEWAY_PROCESS], peak[GATEWAY_PROCESS] = own
+    for name, value in rss.items():  # a peak sampled a moment earlier can read below the current RSS
+        peak[name] = max(peak.get(name, 0), value)
     names = [GATEWAY_PROCESS] + sorted(n for n in rss if n != GATEWAY_PROCESS)
     return [{"name": n, "rss_bytes": rss.get(n), "peak_rss_bytes": peak.get(n),
              "device_memory_peak_bytes": device.get(n)} for n in names]

@@ -235,7 +235,9 @@ class GatewayMetrics:
         for duration in stats.step_duration_s:
             self.step_time.observe(duration)
         self._set_labelled(self.rss, "process", stats.process_rss_bytes, absent=None)
-        self._set_labelled(self.peak_rss, "process", stats.process_peak_rss_bytes, absent=None)
+        # A peak sampled a moment before the current RSS can read lower: a peak is never below now.
+        peaks = {k: max(v, stats.process_rss_bytes.get(k, 0)) for k, v in stats.process_peak_rss_bytes.items()}
+        self._set_labelled(self.peak_rss, "process", peaks, absent=None)
         self._set_labelled(self.device_peak, "process", stats.device_memory_peak_bytes, absent=None)
         self._update_own_memory()
         self.window.add_engine(EngineSample(

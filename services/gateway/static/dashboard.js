@@ -36,6 +36,7 @@
       series: [{}, { label: "running", stroke: "#2563eb", width: 2 },
                    { label: "waiting", stroke: "#f97316", width: 2 }],
       axes: [{}, { label: "requests" }],
+      legend: { live: false },
     }, [[], [], []], qEl);
     kvChart = new uPlot({
       width: chartWidth(kEl), height: 220,
@@ -43,6 +44,7 @@
       series: [{}, { label: "KV usage %", stroke: "#7c3aed", width: 2, scale: "pct" },
                    { label: "gen tok/s", stroke: "#059669", width: 2, scale: "tps", spanGaps: true }],
       axes: [{}, { scale: "pct", label: "KV %" }, { scale: "tps", side: 1, label: "tok/s", grid: { show: false } }],
+      legend: { live: false },
     }, [[], [], []], kEl);
     window.addEventListener("resize", () => {
       queueChart.setSize({ width: chartWidth(qEl), height: 220 });
