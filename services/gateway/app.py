@@ -108,9 +108,13 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await st.engine.start()
+        if st.registry is not None:
+            st.registry.start(st.engine)
         try:
             yield
         finally:
+            if st.registry is not None:
+                await st.registry.close()
             await st.engine.close()
             await st.admission.close()
 

@@ -23,6 +23,11 @@ from services.gateway.tokenizer import GatewayTokenizer, load_gateway_tokenizer
 from services.gateway.validation import ServingLimits
 from shared.config import GatewayConfig, config_as_dict
 
+try:  # the Redis engine registry (admission's module); the gateway serves without it
+    from services.gateway.registry import EngineRegistry
+except ImportError:  # pragma: no cover - only while that module is absent
+    EngineRegistry = None  # type: ignore[assignment,misc]
+
 
 def ferry_version() -> str:
     try:
@@ -44,6 +49,7 @@ class GatewayState:
     metrics: GatewayMetrics
     admission: Admission
     served_names: frozenset[str]
+    registry: Any = None  # EngineRegistry when available
     background: set[Any] = field(default_factory=set)
     started_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -61,7 +67,8 @@ class GatewayState:
         ready, reason = self.engine.readiness()
         return {"status": "ok", "ready": ready, "reason": reason, "gateway_id": self.gateway_id,
                 "version": ferry_version(), "model": self.model_name, "scheduler": self.engine.status(),
-                "redis": self.admission.health()}
+                "redis": self.admission.health(),
+                "registry": self.registry.health() if self.registry is not None else {"registry": "absent"}}
 
     def effective_config(self) -> dict[str, Any]:
         gateway = config_as_dict(self.config)
@@ -101,5 +108,7 @@ def build_state(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None
     engine = EngineClient(config.scheduler_endpoint, gid, config.heartbeat_interval_s,
                           config.scheduler_timeout_s, on_stats=metrics_.on_engine_stats,
                           on_health=metrics_.on_engine_health)
+    registry = EngineRegistry(config, gid) if EngineRegistry is not None else None
     return GatewayState(config=config, gateway_id=gid, tokenizer=tok, engine=engine, metrics=metrics_,
-                        admission=Admission(config, gid), served_names=frozenset({model_name}))
+                        admission=Admission(config, gid), served_names=frozenset({model_name}),
+                        registry=registry)
