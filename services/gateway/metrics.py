@@ -37,6 +37,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import MetricWrapperBase
 
 from services.gateway.metrics_families import (
+    DELIVERY_BUCKETS,
     ITL_BUCKETS,
     N_BUCKETS,
     REQUEST_BUCKETS,
@@ -193,6 +194,8 @@ class GatewayMetrics:
                                  buckets=REQUEST_BUCKETS)
         self.decode = self._fan(h, "request_decode_time_seconds", "First token to finish.",
                                 buckets=REQUEST_BUCKETS)
+        self.delivery = self._fan(h, "request_delivery_lag_seconds", "Scheduler finish to the gateway's "
+                                  "last byte (detokenization, slow clients).", vllm=False, buckets=DELIVERY_BUCKETS)
         self.req_prompt = self._fan(h, "request_prompt_tokens", "Prompt length per request.", buckets=length)
         self.req_output = self._fan(h, "request_generation_tokens", "Output length per request.",
                                     buckets=length)
@@ -320,6 +323,8 @@ class GatewayMetrics:
             self.tpot.observe(tpot)
             self.tpot_legacy.observe(tpot)
         queue = self._observe_phases(rec.timings)
+        if rec.timings is not None and rec.timings.finished_time is not None:
+            self.delivery.observe(max(0.0, rec.finished_time - rec.timings.finished_time))
         self.window.add_finished(FinishedSample(
             finished_time=rec.finished_time, ttft_s=ttft, queue_s=queue, e2e_s=e2e,
             num_output_tokens=rec.num_output_tokens, finish_reason=rec.finish_reason,

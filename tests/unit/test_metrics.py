@@ -130,6 +130,7 @@ def test_request_histograms_from_gateway_and_scheduler_timings() -> None:
     assert value(m, "ferry:request_prefill_time_seconds_sum") == pytest.approx(0.25)
     assert value(m, "ferry:request_decode_time_seconds_sum") == pytest.approx(0.5)
     assert value(m, "ferry:request_inference_time_seconds_sum") == pytest.approx(0.75)
+    assert value(m, "ferry:request_delivery_lag_seconds_sum") == pytest.approx(0.1)
     assert value(m, "ferry:request_prompt_tokens_sum") == 12
     assert value(m, "ferry:request_generation_tokens_sum") == 4
     assert value(m, "ferry:request_params_max_tokens_sum") == 16
