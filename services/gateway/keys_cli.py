@@ -26,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
         "--redis-url", default=os.environ.get("FERRY_REDIS_URL", DEFAULT_REDIS_URL),
         help="Redis holding the keys [env FERRY_REDIS_URL; default %(default)s]",
     )
+    parser.add_argument(
+        "--runtime-dir", default=None,
+        help="use the embedded Redis of a `ferry serve --runtime-dir DIR` (unix://DIR/redis.sock)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     add = sub.add_parser("add", help="create a key and print its secret once")
     add.add_argument("name")
@@ -62,9 +66,17 @@ def _format_list(records: list[KeyRecord]) -> str:
                      for row in rows)
 
 
+def _redact(url: str) -> str:
+    """Never print a Redis password."""
+    scheme, sep, rest = url.partition("://")
+    _, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}***@{host}" if at else url
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    url = args.redis_url_sub or args.redis_url
+    url = args.redis_url_sub or (
+        f"unix://{os.path.abspath(args.runtime_dir)}/redis.sock" if args.runtime_dir else args.redis_url)
     store = KeyStore(sync_client(url), Layout())
     try:
         if args.command == "add":
@@ -84,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferry keys: {exc}", file=sys.stderr)
         return 1
     except redis.RedisError as exc:
-        print(f"ferry keys: cannot reach Redis at {url}: {exc}", file=sys.stderr)
+        print(f"ferry keys: cannot reach Redis at {_redact(url)}: {exc}", file=sys.stderr)
         return 2
     finally:
         store.client.close()
