@@ -130,8 +130,8 @@ class Scheduler:
     def abort_gateway(self, gateway_id: str) -> int:
         """Abort every request a (dead) gateway owns; returns how many."""
         ids = [r.req_id for r in self.requests.values() if r.gateway_id == gateway_id]
+        # The abort deltas stay queued: if the gateway was only slow, it learns what happened.
         self.abort_requests(ids)
-        self._deltas.pop(gateway_id, None)  # nobody is left to read them
         return len(ids)
 
     def preempt_all(self) -> None:

@@ -107,7 +107,8 @@ def test_abort_frees_blocks_now_and_tells_worker_and_gateway() -> None:
     assert plan.finished_req_ids == ["r"]  # "late" never reached the worker
     assert "r" not in drv.worker.requests
     assert sched.abort_gateway("g1") == 1
-    assert "g1" not in sched.take_deltas()
+    assert [(d.req_id, d.finish_reason) for d in sched.take_deltas()["g1"]] == [("w", "abort")]
+    assert sched.abort_gateway("g1") == 0
     drv.run()
     assert sched.stats().finished_total == {"abort": 3, "length": 1}
 
