@@ -140,3 +140,13 @@ def test_provisioning_and_scrape_config_meet() -> None:
     scrape = yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"][0]
     assert scrape["metrics_path"] == "/metrics"
     assert scrape["static_configs"][0]["targets"] == ["gateway:8000"]
+
+
+def test_committed_json_is_the_builder_output() -> None:
+    import subprocess
+    import sys
+
+    built = subprocess.run([sys.executable, str(ROOT / "deploy" / "grafana" / "build_dashboard.py")],
+                           capture_output=True, text=True, check=True).stdout
+    assert json.loads(built) == json.loads(DASHBOARD.read_text()), (
+        "run: python deploy/grafana/build_dashboard.py > deploy/grafana/dashboards/ferry.json")
