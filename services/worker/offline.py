@@ -1,0 +1,205 @@
+"""The offline engine: scheduler and model runner in one process, for batch jobs and tests.
+
+    from services.worker.offline import LLM, GenerationParams
+    llm = LLM(model="smollm2-135m-instruct", dtype="float32", kv_cache_memory=256 << 20)
+    outs = llm.generate(["Once upon a time"], GenerationParams(max_tokens=32, temperature=0))
+    outs = llm.chat([[{"role": "user", "content": "Hi"}]], GenerationParams(max_tokens=32))
+
+The loop is the engine replica's, minus the sockets: ``schedule()`` a plan,
+``execute`` it, ``update_from_result``, collect the deltas. Requests are fed to
+the scheduler as its waiting queue has room, so any number of prompts works,
+and they wait as long as needed (no queue timeout offline).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared.config import SchedulerConfig, WorkerConfig
+from shared.messages import (
+    AddRequest,
+    RequestDelta,
+    RequestTimings,
+    SampleLogprobs,
+    SamplingParams,
+    StopParams,
+)
+from shared.models import DEFAULT_MODEL
+
+from .runner import ModelRunner, set_num_threads
+
+GATEWAY_ID = "offline"
+MAX_IDLE_STEPS = 1000  # steps that schedule nothing while work remains: a scheduler bug, not a wait
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling plus stop conditions for one request (OpenAI / vLLM names)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+        )
+
+    def stop(self, eos_token_ids: list[int]) -> StopParams:
+        return StopParams(
+            max_tokens=self.max_tokens, min_tokens=self.min_tokens, eos_token_ids=list(eos_token_ids),
+            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass
+class Output:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | a rejection reason
+    logprobs: list[SampleLogprobs] | None = None
+    num_cached_tokens: int = 0
+    timings: RequestTimings | None = None
+    error: str | None = None
+
+
+class LLM:
+    """Generate from many prompts at once with continuous batching over the paged KV cache."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "auto",
+        device: str = "cpu",
+        kv_cache_memory: int = 1 << 30,
+        block_size: int = 16,
+        max_model_len: int = 0,
+        num_threads: int = 0,
+        cache_dir: str = "",
+        **scheduler_knobs: Any,
+    ) -> None:
+        set_num_threads(num_threads)
+        knobs = {"queue_timeout_s": 0.0, **scheduler_knobs, "block_size": block_size}
+        self.scheduler_config = msgspec.convert(knobs, SchedulerConfig)
+        self.worker_config = WorkerConfig(
+            model=model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, block_size=block_size,
+            max_model_len=max_model_len, num_threads=num_threads, cache_dir=cache_dir,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+        )
+        self.runner = ModelRunner(self.worker_config)
+        self._tokenizer: Any = None
+        self._next_id = 0
+        from services.scheduler.scheduler import Scheduler
+
+        self.scheduler = Scheduler(self.scheduler_config, self.runner.num_kv_blocks, self.runner.max_model_len)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir)
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        params: GenerationParams | Sequence[GenerationParams] | None = None,
+        decode: bool = True,
+    ) -> list[Output]:
+        """One output per prompt, in order. Prompts are text or token id lists."""
+        items: list[Any] = [prompts] if isinstance(prompts, str) else list(prompts)
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+        if params is None or isinstance(params, GenerationParams):
+            param_list = [params or GenerationParams()] * len(token_lists)
+        else:
+            param_list = list(params)
+        if len(param_list) != len(token_lists):
+            raise ValueError(f"{len(token_lists)} prompts but {len(param_list)} parameter sets")
+        outputs = self._run(token_lists, param_list)
+        if decode:
+            for out in outputs:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return outputs
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[dict[str, str]]],
+        params: GenerationParams | Sequence[GenerationParams] | None = None,
+    ) -> list[Output]:
+        """Apply the tokenizer's chat template (with the assistant prompt) to each conversation."""
+        token_lists = [self.chat_token_ids(c) for c in conversations]
+        return self.generate(token_lists, params)
+
+    def chat_token_ids(self, conversation: Sequence[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    # ------------------------------------------------------------------
+    def _run(self, token_lists: list[list[int]], params: list[GenerationParams]) -> list[Output]:
+        outputs: dict[str, Output] = {}
+        pending: list[AddRequest] = []
+        eos = self.runner.eos_token_ids
+        for tokens, p in zip(token_lists, params, strict=True):
+            req_id = f"offline-{self._next_id}"
+            self._next_id += 1
+            outputs[req_id] = Output(req_id, tokens, logprobs=[] if p.logprobs is not None else None)
+            pending.append(AddRequest(
+                req_id=req_id, gateway_id=GATEWAY_ID, prompt_token_ids=tokens, sampling=p.sampling(),
+                stop=p.stop(eos), arrival_time=time.time(),
+            ))
+        pending.reverse()  # pop() from the end keeps submission order
+        sched = self.scheduler
+        idle = 0
+        while pending or sched.has_unfinished_requests():
+            while pending and sched.num_waiting < self.scheduler_config.max_waiting_requests:
+                req = pending.pop()
+                rejected = sched.add_request(req)
+                if rejected is not None:
+                    out = outputs[req.req_id]
+                    out.finish_reason, out.error = rejected.reason, rejected.message
+            plan = sched.schedule()
+            result = self.runner.execute(plan)
+            sched.update_from_result(plan, result)
+            idle = 0 if plan.total_num_scheduled_tokens else idle + 1
+            if idle > MAX_IDLE_STEPS:
+                raise RuntimeError(f"the scheduler made no progress for {idle} steps with work remaining")
+            for deltas in sched.take_deltas().values():
+                for delta in deltas:
+                    _apply_delta(outputs[delta.req_id], delta)
+        return list(outputs.values())
+
+
+def _apply_delta(out: Output, delta: RequestDelta) -> None:
+    out.token_ids.extend(delta.new_token_ids)
+    if delta.logprobs is not None and out.logprobs is not None:
+        out.logprobs.extend(delta.logprobs)
+    if delta.num_cached_tokens:
+        out.num_cached_tokens = delta.num_cached_tokens
+    if delta.timings is not None:
+        out.timings = delta.timings
+    if delta.finish_reason is not None:
+        out.finish_reason = delta.finish_reason
+        out.error = delta.error
