@@ -4,7 +4,10 @@ Both queues remove lazily: an aborted or expired request stays in the underlying
 deque or heap until it reaches the front, where it is skipped because it is no
 longer WAITING. A request is in a queue at most once (it leaves by ``pop`` to
 run, or is finished), so status alone tells whether an entry is live. This keeps
-abort, expiry and admission O(1) or O(log n) instead of O(queue length).
+abort, expiry and admission O(1) or O(log n) instead of O(queue length). When
+dead entries outnumber live ones (plus a slack), the structure is rebuilt
+without them, so many aborts behind a blocked head cannot grow it without bound
+(amortized O(1) per removal).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from .request import Request, RequestStatus
+
+COMPACT_SLACK = 1024  # dead entries tolerated before a rebuild, beyond the live count
 
 
 class WaitingQueue(Protocol):
@@ -59,6 +64,8 @@ class FCFSQueue:
     def discard(self, req: Request) -> None:
         """Call *after* changing ``req.status`` away from WAITING."""
         self._live -= 1
+        if len(self._q) > 2 * self._live + COMPACT_SLACK:
+            self._q = deque(r for r in self._q if r.status is RequestStatus.WAITING)
 
     def __len__(self) -> int:
         return self._live
@@ -97,7 +104,11 @@ class PriorityQueue:
         return req
 
     def discard(self, req: Request) -> None:
+        """Call *after* changing ``req.status`` away from WAITING."""
         self._live -= 1
+        if len(self._heap) > 2 * self._live + COMPACT_SLACK:
+            self._heap = [e for e in self._heap if e[2].status is RequestStatus.WAITING]
+            heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return self._live
@@ -119,9 +130,16 @@ class DeadlineHeap:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Request]] = []
+        self._num_live_hint = 0  # live entries at the last rebuild
 
     def push(self, req: Request) -> None:
-        heapq.heappush(self._heap, (req.deadline, req.seq, req))
+        heap = self._heap
+        heapq.heappush(heap, (req.deadline, req.seq, req))
+        if len(heap) > 2 * self._num_live_hint + COMPACT_SLACK:
+            # Entries of requests that started or ended keep them alive until their deadline: drop them.
+            self._heap = [e for e in heap if e[2].status is RequestStatus.WAITING and e[2].first_scheduled_time is None]
+            heapq.heapify(self._heap)
+            self._num_live_hint = len(self._heap)
 
     def pop_expired(self, now: float) -> list[Request]:
         """Requests still waiting, never scheduled, whose deadline has passed."""

@@ -181,3 +181,22 @@ def test_timings_of_a_request() -> None:
     assert first.timings.arrival_time == 999.0
     assert first.timings.first_scheduled_time == 1001.0 and first.timings.first_token_time == 1001.0
     assert last.timings.finished_time == 1002.0 and last.finish_reason == "length"
+
+
+def test_aborted_and_started_requests_do_not_pile_up_in_the_queues() -> None:
+    from services.scheduler.queues import COMPACT_SLACK
+
+    for policy in ("fcfs", "priority"):
+        sched, drv, _ = make(max_num_seqs=1, queue_timeout_s=60.0, scheduling_policy=policy, max_waiting_requests=5000)
+        sched.add_request(make_request("head", 4, max_tokens=100))
+        drv.step()
+        sched.add_request(make_request("blocked", 4, max_tokens=1))
+        for i in range(3 * COMPACT_SLACK):
+            sched.add_request(make_request(f"x{i}", 4, max_tokens=1))
+            sched.abort_requests([f"x{i}"])
+        assert sched.num_waiting == 1
+        assert len(list(sched.waiting)) == 1
+        # dead entries are bounded: the structures were rebuilt without them
+        assert len(sched.deadlines) <= 2 + COMPACT_SLACK + 1
+        assert len(getattr(sched.waiting, "_q", getattr(sched.waiting, "_heap", []))) <= 2 * 1 + COMPACT_SLACK + 1
+        sched.check_invariants()
