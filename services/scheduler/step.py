@@ -178,7 +178,9 @@ class StepBuilder:
         num_computed = len(hits) * block_size
         remaining = req.num_tokens - num_computed
         if not sched.config.enable_chunked_prefill and self.budget < remaining <= sched.config.max_num_batched_tokens:
-            return "budget"  # without chunking, wait for a step with room for all of it
+            # Without chunking, wait for a step with room for all of it. (A resumed request
+            # longer than a whole step can never get one, so it is chunked anyway.)
+            return "budget"
         n = self._chunk(remaining)
         blocks = ledger.allocate(req.req_id, num_computed + n, hits)
         if blocks is None:
