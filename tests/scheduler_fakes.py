@@ -60,6 +60,7 @@ class FakeWorker:
     kv: dict[int, list[int | None]] = field(default_factory=dict)
     holders: dict[int, set[str]] = field(default_factory=dict)
     num_steps: int = 0
+    forgotten: set[str] = field(default_factory=set)  # held before a restart: the next plan may name them
 
     def _add(self, data: NewRequestData) -> None:
         assert data.req_id not in self.requests, f"{data.req_id} added twice without being dropped"
@@ -110,8 +111,9 @@ class FakeWorker:
         for req_id in plan.finished_req_ids:
             self._drop(req_id)
         for req_id in plan.preempted_req_ids:
-            assert req_id in self.requests, f"preempted {req_id} is unknown to the worker"
+            assert req_id in self.requests or req_id in self.forgotten, f"preempted {req_id} is unknown to the worker"
             self._drop(req_id)
+        self.forgotten.clear()
         for data in plan.new_requests:
             assert data.num_computed_tokens % self.block_size == 0, "a prefix hit must be whole blocks"
             self._add(data)
@@ -146,6 +148,7 @@ class FakeWorker:
 
     def restart(self) -> None:
         """A fresh process: nothing held, KV contents gone."""
+        self.forgotten = set(self.requests)
         self.requests.clear()
         self.kv.clear()
         self.holders.clear()

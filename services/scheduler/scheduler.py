@@ -135,19 +135,25 @@ class Scheduler:
         return len(ids)
 
     def preempt_all(self) -> None:
-        """A worker restarted: recompute every running request and forget what workers held."""
+        """A worker restarted: recompute every running request from scratch.
+
+        Every running request goes back to the waiting queue and will be re-sent in
+        full. Its id is still listed in the next plan's ``preempted_req_ids`` (and
+        pending finishes stay in ``finished_req_ids``) so that ranks which did *not*
+        restart drop their copies; a restarted rank ignores ids it does not know.
+        """
         # Back to the head of the queue in arrival order, ahead of everything never started.
         for req in sorted(self.running, key=lambda r: r.seq, reverse=True):
             self.ledger.free(req.req_id)
             req.status = RequestStatus.WAITING
             req.reset_progress()
-            req.known_to_worker = False
+            if req.known_to_worker:
+                self._preempted_for_worker.append(req.req_id)
+                req.known_to_worker = False
             self._push_waiting(req, preempted=True)
         self.running = []
-        # The new worker's KV tensors hold nothing: cached hashes would point at garbage.
+        # The restarted worker's KV tensors hold nothing: cached hashes would point at garbage.
         self.ledger.reset_prefix_cache()
-        self._finished_for_worker.clear()
-        self._preempted_for_worker.clear()
         self._plan_time.clear()
 
     # ------------------------------------------------------------------ the step

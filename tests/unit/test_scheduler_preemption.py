@@ -134,7 +134,8 @@ def test_preempt_all_recomputes_everything_after_a_worker_restart() -> None:
     assert sched.num_running == 0 and sched.num_waiting == 1
     assert sched.ledger.num_cached_blocks == 0  # the new worker holds no KV to hit
     plan = drv.step()
-    assert plan.finished_req_ids == [] and plan.preempted_req_ids == []
+    # ranks that did not restart must drop them; a restarted one ignores unknown ids
+    assert plan.finished_req_ids == ["b"] and plan.preempted_req_ids == ["a"]
     assert [r.req_id for r in plan.resumed_requests] == ["a"]
     assert plan.resumed_requests[0].num_computed_tokens == 0
     assert plan.resumed_requests[0].output_token_ids == drv.outcomes["a"].token_ids[:-1]
