@@ -73,17 +73,22 @@ class RankTable:
         state = self.states[msg.rank]
         state.ready, state.info, state.pid, state.last_seen = True, msg, msg.pid, now
 
-    def on_heartbeat(self, msg: WorkerHeartbeat, now: float) -> list[Death]:
+    def on_heartbeat(self, msg: WorkerHeartbeat, now: float) -> tuple[list[Death], bool]:
+        """(deaths, lingering): lingering means a process we declared dead still runs."""
         state = self.states[msg.rank]
         if state.ready and msg.pid and msg.pid != state.pid:
             # A new process for this rank already runs, so the one we use is gone.
-            return [(msg.rank, f"a new process (pid {msg.pid}) heartbeats for this rank")]
+            return [(msg.rank, f"a new process (pid {msg.pid}) heartbeats for this rank")], False
+        if not state.ready and msg.pid and msg.pid == state.pid:
+            # Declared dead (a missed step deadline) but alive: its batch state is stale
+            # and it will not announce itself again unless it restarts.
+            return [], True
         if msg.pid == state.pid or not state.ready:
             state.last_seen = now
             state.rss_bytes = msg.rss_bytes
             state.peak_rss_bytes = msg.peak_rss_bytes
             state.device_memory_peak_bytes = msg.device_memory_peak_bytes
-        return []
+        return [], False
 
     def on_result(self, rank: int, now: float) -> bool:
         """A result counts only from a ready rank (late answers of dead ones do not)."""

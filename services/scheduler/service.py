@@ -17,7 +17,9 @@ Faults: a ready worker that stops heartbeating, misses ``step_timeout_s``, repor
 fatal ``WorkerError`` or re-announces with a new pid is dead. The scheduler then
 abandons the step in flight, calls ``preempt_all()`` (every running request is
 recomputed later from its prompt plus the tokens it already generated) and waits
-for that rank's next ``WorkerReady``; clients only see a delay. A gateway silent for
+for that rank's next ``WorkerReady``; clients only see a delay. A rank declared dead
+that keeps heartbeating (a forward that overran ``step_timeout_s``) is sent
+``Shutdown(rank=...)`` so that its supervisor restarts it with a clean state. A gateway silent for
 ``gateway_timeout_s`` has its requests aborted so their blocks come free.
 
 The loop never spins: when there is no work it blocks in ``zmq.Poller.poll`` with a
@@ -66,6 +68,7 @@ log = logging.getLogger("ferry.scheduler")
 IDLE_POLL_S = 0.5  # longest sleep when idle: liveness checks need no finer clock
 EMPTY_STEP_POLL_S = 0.02  # work exists but nothing could be scheduled (no blocks yet)
 FALLBACK_MAX_MODEL_LEN = 2048
+RETIRE_INTERVAL_S = 5.0  # how often a lingering dead worker is asked again to exit
 
 
 @dataclass
@@ -94,10 +97,12 @@ class SchedulerService:
         self.pending: list[tuple[AddRequest, float]] = []  # (request, deadline) before the handshake
         self.deferred: list[ToScheduler] = []  # gateway messages received during a step
         self.worker_restarts_total = 0
+        self.retired: dict[int, float] = {}  # pid -> when it was last asked to exit
         self.max_model_len = config.max_model_len
         self.model = ""
         self.step: StepInFlight | None = None
         self.last_step_id = 0
+        self.flush = False
         self.core_num_kv_blocks = 0
         self.stop_requested = False
         self.stop_deadline = 0.0
@@ -147,15 +152,21 @@ class SchedulerService:
 
     def run_once(self) -> None:
         """One iteration: drain inputs, check liveness, run at most one step, report."""
-        has_work = self.engine_ready() and self.core is not None and self.core.has_unfinished_requests()
-        self._poll(0.0 if has_work else self._idle_timeout())
+        self._poll(0.0 if self._has_work() else self._idle_timeout())
         self._check_liveness()
-        if self.engine_ready() and self.core is not None and self.core.has_unfinished_requests():
+        if self._has_work():
             scheduled = self._step()
             if not scheduled:
                 self._poll(EMPTY_STEP_POLL_S)
         self._send_deltas()
         self._maybe_send_stats()
+
+    def _has_work(self) -> bool:
+        # ``flush`` asks for one more (possibly empty) plan after requests ended, so the
+        # workers hear about finished and aborted ids even when nothing else runs.
+        if not self.engine_ready() or self.core is None:
+            return False
+        return self.flush or self.core.has_unfinished_requests()
 
     def engine_ready(self) -> bool:
         return self.core is not None and self.ranks.all_ready()
@@ -209,6 +220,7 @@ class SchedulerService:
             ids = set(msg.req_ids)
             if self.core is not None:
                 self.core.abort_requests(list(ids))
+                self.flush = True
             self.pending = [p for p in self.pending if p[0].req_id not in ids]
 
     def _add(self, req: AddRequest) -> None:
@@ -249,7 +261,10 @@ class SchedulerService:
             if isinstance(msg, WorkerReady):
                 self._on_ready(msg)
             elif isinstance(msg, WorkerHeartbeat):
-                self._bury(self.ranks.on_heartbeat(msg, self.clock()))
+                deaths, lingering = self.ranks.on_heartbeat(msg, self.clock())
+                self._bury(deaths)
+                if lingering:
+                    self._retire(msg.rank, msg.pid)
             elif isinstance(msg, StepResult):
                 self._on_result(msg)
             elif isinstance(msg, WorkerError):
@@ -322,6 +337,15 @@ class SchedulerService:
                 self.core.preempt_all()
             self._broadcast(self._health())
 
+    def _retire(self, rank: int, pid: int) -> None:
+        """Ask a rank we declared dead, but which still runs, to exit so it gets restarted."""
+        now = self.clock()
+        if now - self.retired.get(pid, -math.inf) < RETIRE_INTERVAL_S:
+            return
+        self.retired[pid] = now
+        log.warning("rank %d (pid %d) was declared dead but still runs: asking it to exit", rank, pid)
+        self.plan_sock.send(encode(Shutdown(reason=f"rank {rank} (pid {pid}) was declared dead", rank=rank)))
+
     def _check_liveness(self) -> None:
         now = self.clock()
         if self.pending:
@@ -331,6 +355,7 @@ class SchedulerService:
             if now - last_seen > self.config.gateway_timeout_s:
                 del self.gateways[gateway_id]
                 num = self.core.abort_gateway(gateway_id) if self.core is not None else 0
+                self.flush = True
                 num += sum(1 for r, _ in self.pending if r.gateway_id == gateway_id)
                 self.pending = [p for p in self.pending if p[0].gateway_id != gateway_id]
                 log.warning("gateway %s silent for %.1fs: aborted its %d request(s)", gateway_id, now - last_seen, num)
@@ -353,6 +378,7 @@ class SchedulerService:
         assert self.core is not None
         plan = self.core.schedule()
         self.last_step_id = plan.step_id
+        self.flush = False
         if plan.total_num_scheduled_tokens == 0:
             if plan.finished_req_ids or plan.preempted_req_ids:
                 self.plan_sock.send(encode(plan))  # workers must still drop those requests
@@ -365,6 +391,7 @@ class SchedulerService:
         self.step = None
         if result is not None:
             self.core.update_from_result(plan, result)
+            self.flush = True  # requests may have finished: the next plan tells the workers
         deferred, self.deferred = self.deferred, []
         for msg in deferred:
             self._handle_gateway(msg)

@@ -6,7 +6,6 @@ with usage numbers that match the gateway's own tokenizer.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
