@@ -116,6 +116,8 @@ def _loop(runner: ModelRunner, plans: zmq.Socket, results: zmq.Socket, config: W
         except msgspec.DecodeError as exc:
             return _fail(results, config, f"undecodable message: {exc}", None)
         if isinstance(msg, Shutdown):
+            if msg.rank is not None and msg.rank != config.rank:
+                continue  # another rank is being retired
             log.info("shutdown: %s", msg.reason or "requested")
             results.close(linger=SEND_LINGER_MS)
             return 0
