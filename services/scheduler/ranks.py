@@ -5,7 +5,8 @@ when its process is silent (no heartbeat and no result) for
 ``worker_heartbeat_timeout_s``, when a different pid speaks for the same rank (the
 supervisor already restarted it), or when the service says so (step timeout,
 fatal ``WorkerError``). The table only decides; the service acts (abandons the
-step, ``preempt_all()``, tells gateways).
+step, ``preempt_all()``, tells gateways, or asks a *lingering* process, one that is
+dead to us or announced itself to a previous scheduler, to exit and be restarted).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from shared.messages import WorkerHeartbeat, WorkerReady
 log = logging.getLogger("ferry.scheduler")
 
 Death = tuple[int, str]  # (rank, why)
+STRAY_GRACE_S = 3.0
 
 
 @dataclass
@@ -36,6 +38,7 @@ class RankTable:
         self.block_size = block_size
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.states = [RankState() for _ in range(num_workers)]
+        self.strays: dict[int, float] = {}  # pid -> first heartbeat without a WorkerReady
 
     def __len__(self) -> int:
         return len(self.states)
@@ -83,6 +86,13 @@ class RankTable:
             # Declared dead (a missed step deadline) but alive: its batch state is stale
             # and it will not announce itself again unless it restarts.
             return [], True
+        if not state.ready and msg.pid:
+            # Heartbeats without a WorkerReady: a worker that announced itself to a previous
+            # scheduler process (this one restarted). It holds that scheduler's batch and
+            # will never announce again, so it must restart. A fresh worker announces before
+            # its first heartbeat; the grace covers the two sockets racing.
+            first = self.strays.setdefault(msg.pid, now)
+            return [], now - first > STRAY_GRACE_S
         if msg.pid == state.pid or not state.ready:
             state.last_seen = now
             state.rss_bytes = msg.rss_bytes

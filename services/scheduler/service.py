@@ -338,12 +338,13 @@ class SchedulerService:
             self._broadcast(self._health())
 
     def _retire(self, rank: int, pid: int) -> None:
-        """Ask a rank we declared dead, but which still runs, to exit so it gets restarted."""
+        """Ask a worker we cannot use (declared dead, or announced to a previous scheduler
+        process) but which still runs to exit, so that its supervisor restarts it."""
         now = self.clock()
         if now - self.retired.get(pid, -math.inf) < RETIRE_INTERVAL_S:
             return
         self.retired[pid] = now
-        log.warning("rank %d (pid %d) was declared dead but still runs: asking it to exit", rank, pid)
+        log.warning("rank %d (pid %d) runs but is not usable by this scheduler: asking it to exit", rank, pid)
         self.plan_sock.send(encode(Shutdown(reason=f"rank {rank} (pid {pid}) was declared dead", rank=rank)))
 
     def _check_liveness(self) -> None:

@@ -6,7 +6,8 @@ over real ipc sockets, with the test speaking the wire protocol as worker and ga
 - a fatal ``WorkerError`` and a missed step deadline each declare the rank dead; the
   running requests are re-sent in full (prompt plus generated tokens) to the rank's
   next process, and the restart counter moves; a rank declared dead that still
-  heartbeats is told to exit (``Shutdown(rank=0)``);
+  heartbeats is told to exit (``Shutdown(rank=0)``), and so is a worker that
+  announced itself to a previous scheduler process;
 - a re-announcement with a new pid replaces the old process at once;
 - a silent gateway has its requests aborted and their blocks freed;
 - SIGTERM sends ``Shutdown`` to the workers and exits 0.
@@ -100,13 +101,16 @@ class Harness:
             timeout_s = 0.0
 
     # -- worker side
-    def announce(self, pid: int, num_kv_blocks: int = 64) -> None:
+    def wait_subscribed(self) -> None:
+        # Like a real worker (which loads its model meanwhile): be subscribed to plans
+        # before saying ready, or the first plan is published to nobody.
         if not self.subscribed:
-            # Like a real worker (which loads its model meanwhile): be subscribed to plans
-            # before saying ready, or the first plan is published to nobody.
             assert self.plans_monitor.poll(20_000), f"plan socket never connected:\n{tail(self.log)}"
             time.sleep(0.2)
             self.subscribed = True
+
+    def announce(self, pid: int, num_kv_blocks: int = 64) -> None:
+        self.wait_subscribed()
         self.results.send(encode(WorkerReady(rank=0, num_kv_blocks=num_kv_blocks, block_size=16, model="fake",
                                              max_model_len=256, pid=pid)))
 
@@ -251,3 +255,22 @@ def test_silent_gateway_is_aborted_and_sigterm_stops_workers(harness: Harness) -
     msg = h.next_plan()
     assert isinstance(msg, Shutdown)
     assert h.proc.wait(timeout=10) == 0
+
+
+def test_worker_of_a_previous_scheduler_is_asked_to_restart(harness: Harness) -> None:
+    """A new scheduler process hears heartbeats from a worker that announced itself to the
+    old one: that worker holds stale state and must restart, so it gets Shutdown(rank)."""
+    h = harness
+    h.wait_subscribed()
+    deadline = time.monotonic() + 10
+    retire: Shutdown | None = None
+    while time.monotonic() < deadline and retire is None:
+        h.results.send(encode(WorkerHeartbeat(rank=0, pid=4001, time=time.time())))
+        if h.plans.poll(200):
+            msg = to_worker_decoder.decode(h.plans.recv())
+            if isinstance(msg, Shutdown):
+                retire = msg
+    assert retire is not None and retire.rank == 0, tail(h.log)
+    # Its restarted process announces itself and is used.
+    h.announce(pid=4002)
+    h.wait(lambda: h.health is not None and h.health.scheduler_ready, 10, "readiness")
