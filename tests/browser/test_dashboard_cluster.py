@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.browser.helpers import check_page_tracks_metrics, open_dashboard
 from tests.integration.conftest import ServeProcess
@@ -105,3 +106,36 @@ def test_dashboard_under_load(cluster: ServeProcess, tmp_path: Path) -> None:
     assert load.done > 0 and not load.errors, load.errors[:3]
     assert not log.errors, log.errors
     assert all(u.startswith(base) for u in log.urls), [u for u in log.urls if not u.startswith(base)]
+
+
+def test_metrics_of_the_cluster(cluster: ServeProcess) -> None:
+    """After the load above: engine, request and process series are real, and vLLM's names agree."""
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(f"{cluster.base_url}/metrics", timeout=10, trust_env=False).text
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))):
+                s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def get(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    # The engine's counters arrive with the next stats message (every 0.25 s), the
+    # gateway's request histograms at once: give the stats a moment to catch up.
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape()
+        caught_up = get("ferry:generation_tokens_total") >= get("ferry:request_generation_tokens_sum")
+        if caught_up or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert get("ferry:request_success_total", finished_reason="length") > 0
+    assert get("ferry:generation_tokens_total") >= get("ferry:request_generation_tokens_sum") > 0
+    assert time.time() - get("ferry:engine_stats_timestamp_seconds") < 5, "the scheduler stopped sending stats"
+    assert get("ferry:time_to_first_token_seconds_count") == get("vllm:time_to_first_token_seconds_count") > 0
+    assert get("ferry:request_queue_time_seconds_count") > 0
+    assert get("ferry:iteration_tokens_total_count") > 0
+    assert get("vllm:generation_tokens_total") == get("ferry:generation_tokens_total")
+    for process in ("gateway", "scheduler", "worker0"):
+        assert get("ferry:process_resident_memory_bytes", process=process) > 1 << 20, process
+    for component in ("gateway", "scheduler", "worker 0"):
+        assert get("ferry:component_up", component=component) == 1, component
+    assert get("ferry:engine_config_info", knob="max_num_seqs", value=str(MAX_NUM_SEQS)) == 1
