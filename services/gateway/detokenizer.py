@@ -65,6 +65,9 @@ class OffsetsDetokenizer:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
         context = [t for t in prompt_token_ids if t not in tokenizer.special_ids][-_CONTEXT_TOKENS:]
+        # a context ending inside a character would glue the output's first bytes to it
+        while context and self._decode(context).endswith(REPLACEMENT):
+            context.pop()
         self._ids: list[int] = list(context)
         self._prefix_offset = 0  # window start
         self._read_offset = len(self._ids)  # tokens before this are already released

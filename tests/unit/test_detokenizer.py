@@ -13,6 +13,7 @@ from services.gateway.detokenizer import (
     OffsetsDetokenizer,
     StopStringMatcher,
     TextStream,
+    make_detokenizer,
 )
 from services.gateway.tokenizer import GatewayTokenizer, gateway_tokenizer_dir
 from tests.unit.test_gateway_support import build_tiny_tokenizer
@@ -119,6 +120,52 @@ def _byte_symbols() -> list[str]:
     from services.gateway.tokenizer import CHAR_TO_BYTE
 
     return sorted(CHAR_TO_BYTE)
+
+
+def build_sentencepiece_like(folder: Path) -> GatewayTokenizer:
+    """A Llama-2 style tokenizer: Metaspace words, single characters, byte fallback for the rest."""
+    import string
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", *string.ascii_letters, *",.!? ", "日", "é", "▁the", "▁a"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("▁", "a")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text("{}")
+    return GatewayTokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like(tmp_path_factory: pytest.TempPathFactory) -> GatewayTokenizer:
+    return build_sentencepiece_like(tmp_path_factory.mktemp("sp"))
+
+
+@HYP
+@given(text=st.text(alphabet="ab the,日é🎉ü\n", min_size=1, max_size=30), data=st.data())
+def test_offsets_path_on_a_byte_fallback_tokenizer(sentencepiece_like: GatewayTokenizer, text: str,
+                                                   data: st.DataObject) -> None:
+    tok = sentencepiece_like
+    assert not tok.is_byte_level
+    full = tok.encode(text, add_special_tokens=False)
+    # split where the prompt ends on a whole character (else "the rest" is not defined)
+    cuts = [k for k in range(len(full)) if "\ufffd" not in tok.decode(full[:k])]
+    k = data.draw(st.sampled_from(cuts))
+    prompt, out = full[:k], full[k:]
+    pieces = run(make_detokenizer(tok, prompt), out)
+    expected = tok.decode(full)[len(tok.decode(prompt)):] if k else tok.decode(full)
+    assert "".join(pieces) == expected
+    assert all("\ufffd" not in p for p in pieces)
 
 
 def test_offsets_detokenizer_holds_an_unfinished_character(tiny: GatewayTokenizer) -> None:
