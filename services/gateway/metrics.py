@@ -101,7 +101,8 @@ class GatewayMetrics:
         self._seen_labels: dict[str, set[str]] = {}
         self._own_process = psutil.Process(os.getpid())
         self._components: ComponentSource = lambda: [(GATEWAY_PROCESS, True)]
-        self._declare(max_model_len)
+        self._declare_engine()
+        self._declare_requests(max_model_len)
         self.registry.register(ScrapeTimeCollector(
             self._base, lambda: self._components(),
             lambda: dict(self.last_stats.config) if self.last_stats is not None else {},
@@ -125,9 +126,9 @@ class GatewayMetrics:
                 metric.labels(**self._base)
         return Fan(made, self._base)
 
-    def _declare(self, max_model_len: int) -> None:
+    def _declare_engine(self) -> None:
+        """Series fed by EngineStats: state gauges, counters from totals, per-step histograms."""
         g, c, h = Gauge, Counter, Histogram
-        length = one_two_five_buckets(max_model_len)
         # Engine state (gauges from the latest EngineStats).
         self.running = self._fan(g, "num_requests_running", "Requests in the running set.")
         self.waiting = self._fan(g, "num_requests_waiting", "Requests in the waiting queue.")
@@ -168,7 +169,11 @@ class GatewayMetrics:
                                    buckets=STEP_SEQ_BUCKETS)
         self.step_time = self._fan(h, "iteration_duration_seconds", "Wall time of one engine step.",
                                    vllm=False, buckets=STEP_TIME_BUCKETS)
-        # Requests, as the gateway saw them.
+
+    def _declare_requests(self, max_model_len: int) -> None:
+        """Series fed by the gateway's request handlers: outcomes, latencies, lengths."""
+        c, h = Counter, Histogram
+        length = one_two_five_buckets(max_model_len)
         self.success = self._fan(c, "request_success", "Finished requests by finish reason.",
                                  ("finished_reason",))
         for reason in FINISH_REASONS:
