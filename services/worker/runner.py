@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shared.capacity import gpu_kv_budget_bytes
 from shared.config import WorkerConfig
 from shared.messages import StepPlan, StepResult
 
@@ -86,11 +87,13 @@ class ModelRunner:
         # GPU: what gpu_memory_utilization leaves after the weights and a profiled activation peak.
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(config_dict)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)  # weights + the profiled activations
         total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
+        budget = gpu_kv_budget_bytes(
+            total, self.config.gpu_memory_utilization, self.weight_bytes, max(0, peak - self.weight_bytes)
+        )
         log.info("cuda: total %d, weights+activation peak %d, KV budget %d bytes", total, peak, budget)
-        return max(0, budget)
+        return budget
 
     def _profile_run(self, config_dict: dict) -> None:
         """A forward at the step token budget with a one-block scratch cache, for the activation peak."""

@@ -1,0 +1,112 @@
+"""The batched sampler alone, on hand-made logits: greedy, filters, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.worker.sampler import Sampler
+from shared.messages import SamplingParams
+
+VOCAB = 50
+
+
+def run(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None = None,
+        sampler: Sampler | None = None) -> tuple[list[int], list]:
+    outs = outputs or [[] for _ in params]
+    counts = [{t: o.count(t) for t in o} for o in outs]
+    sampler = sampler or Sampler(torch.device("cpu"), seed=0)
+    return sampler(logits, params, [[1, 2, 3] + o for o in outs], counts, [len(o) for o in outs])
+
+
+def peaked(row_peaks: list[int], scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(row_peaks), VOCAB, generator=gen) * scale
+    for i, t in enumerate(row_peaks):
+        logits[i, t] += 5.0
+    return logits
+
+
+def test_greedy_takes_the_argmax_per_row() -> None:
+    logits = peaked([7, 11, 42])
+    tokens, logprobs = run(logits, [SamplingParams(temperature=0.0)] * 3)
+    assert tokens == [7, 11, 42]
+    assert logprobs == [None, None, None]
+
+
+def test_top_k_one_and_tiny_top_p_reduce_to_greedy() -> None:
+    logits = peaked([3, 9], scale=2.0)
+    expected = logits.argmax(dim=-1).tolist()
+    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
+        for seed in range(5):
+            tokens, _ = run(logits, [params, params], sampler=Sampler(torch.device("cpu"), seed=seed))
+            assert tokens == expected
+
+
+def test_min_p_and_top_k_keep_only_allowed_tokens() -> None:
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, [4, 5, 6]] = torch.tensor([2.0, 2.0 - math.log(2), 2.0 - math.log(20)])  # probs 1 : 0.5 : 0.05
+    seen_min_p: set[int] = set()
+    seen_top_k: set[int] = set()
+    for seed in range(60):
+        s = Sampler(torch.device("cpu"), seed=seed)
+        seen_min_p.add(run(logits, [SamplingParams(min_p=0.3)], sampler=s)[0][0])
+        seen_top_k.add(run(logits, [SamplingParams(top_k=2)], sampler=s)[0][0])
+    assert seen_min_p == {4, 5}
+    assert seen_top_k == {4, 5}
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (VOCAB - 3))
+    logits = torch.log(probs.clamp_min(1e-30)).unsqueeze(0).repeat(2000, 1)
+    tokens, _ = run(logits, [SamplingParams(temperature=1.0)] * 2000)
+    freq = [tokens.count(t) / 2000 for t in range(3)]
+    assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.04)
+    assert sum(freq) == 1.0
+
+
+def test_repetition_penalty_pushes_seen_tokens_down() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2] = 1.0  # seen in the prompt ([1, 2, 3])
+    logits[0, 20] = 0.9
+    assert run(logits, [SamplingParams(temperature=0.0)])[0] == [2]
+    assert run(logits, [SamplingParams(temperature=0.0, repetition_penalty=1.2)])[0] == [20]
+
+
+def test_presence_and_frequency_penalties_use_output_counts() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 30] = 2.0
+    logits[0, 31] = 1.5
+    greedy = SamplingParams(temperature=0.0, presence_penalty=0.6)
+    assert run(logits, [greedy], outputs=[[30]])[0] == [31]  # 2.0 - 0.6 < 1.5
+    freq = SamplingParams(temperature=0.0, frequency_penalty=0.2)
+    assert run(logits, [freq], outputs=[[30, 30]])[0] == [30]  # 2.0 - 0.4 > 1.5
+    assert run(logits, [freq], outputs=[[30, 30, 30]])[0] == [31]  # 2.0 - 0.6 < 1.5
+
+
+def test_seeded_rows_do_not_depend_on_the_batch_or_the_sampler() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, VOCAB, generator=gen)  # flat-ish: many tokens possible
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = [run(logits[:1], [seeded], sampler=Sampler(torch.device("cpu"), seed=s))[0][0] for s in range(3)]
+    assert len(set(alone)) == 1
+    mixed, _ = run(logits[[1, 0, 2]], [SamplingParams(), seeded, SamplingParams(seed=9)])
+    assert mixed[1] == alone[0]
+    # The stream advances with the output position: 20 positions are not all one token.
+    per_position = {run(logits[:1], [seeded], outputs=[[5] * n])[0][0] for n in range(20)}
+    assert len(per_position) > 3
+
+
+def test_logprobs_are_the_raw_log_softmax_with_sorted_top_n() -> None:
+    logits = peaked([8, 16])
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0, logprobs=0)]
+    tokens, logprobs = run(logits, params)
+    ref = torch.log_softmax(logits, dim=-1)
+    first, second = logprobs
+    assert first.sampled.token_id == 8
+    assert first.sampled.logprob == pytest.approx(ref[0, 8].item(), abs=1e-6)
+    assert [t.token_id for t in first.top] == ref[0].topk(3).indices.tolist()
+    assert first.top[0].logprob >= first.top[1].logprob >= first.top[2].logprob
+    assert second.top == [] and second.sampled.token_id == tokens[1] == 16
