@@ -12,6 +12,7 @@ also when the tool itself exits on an error or a signal.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shlex
 import signal
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 _LIVE: set[ManagedServer] = set()
 
@@ -139,31 +141,47 @@ class ManagedServer:
         )
 
     def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the group (a server drains), then SIGKILL the group and every descendant seen."""
         proc, self.proc = self.proc, None
         _LIVE.discard(self)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        # Servers such as ferry serve put their children in process groups of their own:
+        # remember the whole tree now, while the parent still knows it.
+        tree = _descendants(proc.pid)
+        if proc.poll() is None:
             try:
-                os.killpg(proc.pid, sig)
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=grace_s)
             except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=wait)
-                break
+                pass
             except subprocess.TimeoutExpired:
-                continue
-        # The leader may be gone while children of its group linger; sweep the group.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+                _kill_group(proc.pid)
+                proc.wait(timeout=10)
+        _kill_group(proc.pid)
+        tree += _descendants(proc.pid)
+        _gone, alive = psutil.wait_procs(tree, timeout=5.0)
+        for child in alive:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         except OSError:
             return ""
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.Error:
+        return []
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 @atexit.register
