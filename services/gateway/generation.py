@@ -88,6 +88,7 @@ class Generation:
                                   spec.include_stop_str_in_output, spec.min_tokens, spec.skip_special_tokens))
         self.error: APIError | None = None
         self.settled = False  # usage and logs were accounted (serving.py)
+        self.client_request_id: str | None = None  # the client's X-Request-Id, for the logs
 
     # -- lifecycle -------------------------------------------------------------
 

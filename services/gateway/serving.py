@@ -84,6 +84,7 @@ async def _serve(st: GatewayState, request: Request, spec: GenerationSpec, rende
     grant = await _admit(st, request, spec)
     priority = spec.priority if spec.priority is not None else (grant.priority or 0)
     gen = Generation(st.engine, st.tokenizer, st.metrics, spec, renderer.id, priority, grant.key_name)
+    gen.client_request_id = request.headers.get("x-request-id", "")[:128] or None
     started = time.monotonic()
     try:
         gen.submit()
@@ -99,7 +100,7 @@ async def _serve(st: GatewayState, request: Request, spec: GenerationSpec, rende
             outcome = "client_closed"
             return Response(status_code=CLIENT_CLOSED)
         outcome = "ok"
-        return JSONResponse(finished, headers=grant.headers)
+        return JSONResponse(finished, headers=_headers(grant, gen))
     finally:
         _settle(st, grant, gen, endpoint, started, outcome)
 
@@ -147,7 +148,7 @@ def _settle(st: GatewayState, grant: Grant, gen: Generation, endpoint: str, star
     task.add_done_callback(st.background.discard)
     err = gen.error
     log.info("request finished", extra={
-        "req_id": gen.base_id, "endpoint": endpoint,
+        "req_id": gen.base_id, "client_request_id": gen.client_request_id, "endpoint": endpoint,
         "outcome": outcome if err is None else "error", "status": err.status if err else None,
         "error_code": err.code if err else None, "key": grant.key_name, "priority": gen.priority,
         "num_choices": len(gen.choices), "stream": gen.spec.stream,
@@ -240,7 +241,12 @@ async def _start_stream(st: GatewayState, request: Request, gen: Generation, ren
             outcome["value"] = "client_closed"
         _settle(st, grant, gen, endpoint, started, outcome["value"])
 
-    return _DisconnectAwareStream(body(), on_close, headers=grant.headers)
+    return _DisconnectAwareStream(body(), on_close, headers=_headers(grant, gen))
+
+
+def _headers(grant: Grant, gen: Generation) -> dict[str, str]:
+    """Rate-limit headers, and the id the logs (and every process's logs) know this request by."""
+    return {**grant.headers, "X-Request-Id": gen.base_id}
 
 
 def _chunk(renderer: Renderer, gen: Generation, ev: ChoiceEvent) -> dict[str, Any]:

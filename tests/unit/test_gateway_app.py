@@ -97,6 +97,7 @@ def test_completion(env: Env, fake: FakeScheduler) -> None:
     resp = env.http.post("/v1/completions", json={**COMPLETION, "priority": 3})
     assert resp.status_code == 200, resp.text
     body = resp.json()
+    assert resp.headers["x-request-id"] == body["id"] and fake.adds[-1].req_id == body["id"] + "-0"
     add = fake.adds[-1]
     assert add.stop.max_tokens == 12 and add.priority == 3 and add.stop.eos_token_ids == [2]
     assert add.prompt_token_ids == env.tok.encode("Hello")
