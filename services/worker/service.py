@@ -19,10 +19,10 @@ import resource
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import psutil
-import torch
 import zmq
 
 from shared.config import WorkerConfig, add_config_args, config_as_dict, config_from_args
@@ -35,9 +35,11 @@ from shared.messages import (
     encode,
     to_worker_decoder,
 )
+from shared.models import resolve_model
 from shared.transport import connect
 
-from .runner import ModelRunner, set_num_threads
+if TYPE_CHECKING:
+    from .runner import ModelRunner
 
 log = logging.getLogger("ferry.worker")
 
@@ -50,6 +52,8 @@ def _heartbeat(config: WorkerConfig, ctx: zmq.Context, stop: threading.Event) ->
     sock = connect(ctx, zmq.PUSH, config.result_endpoint)
     proc = psutil.Process()
     cuda = config.device.startswith("cuda")
+    if cuda:
+        import torch
     try:
         while not stop.wait(HEARTBEAT_INTERVAL_S):
             beat = WorkerHeartbeat(
@@ -74,13 +78,15 @@ def _fail(sock: zmq.Socket, config: WorkerConfig, message: str, step_id: int | N
 
 def serve(config: WorkerConfig) -> int:
     log.info("worker config: %s", config_as_dict(config))
-    threads = set_num_threads(config.num_threads)
-    log.info("torch threads: %d", threads)
     ctx = zmq.Context()
     plans = connect(ctx, zmq.SUB, config.plan_endpoint, SUBSCRIBE=b"")
     results = connect(ctx, zmq.PUSH, config.result_endpoint)
     parent = os.getppid()
     try:
+        resolve_model(config.model)  # a bad name fails before the slow torch import
+        from .runner import ModelRunner, set_num_threads
+
+        log.info("torch threads: %d", set_num_threads(config.num_threads))
         runner = ModelRunner(config)
     except Exception as exc:  # noqa: BLE001 - any load failure is reported, then fatal
         return _fail(results, config, f"load failed: {exc!r}", None)
