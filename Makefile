@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint unit bench-scheduler bench-offline clean browser
+.PHONY: install run test lint unit bench-scheduler bench-offline bench-gateway clean browser
 
 install: $(STAMP)
 
@@ -36,6 +36,9 @@ unit: install
 
 bench-scheduler: install
 	$(PY) -m services.scheduler.bench
+
+bench-gateway: install
+	$(PY) -m services.gateway.bench --out results/bench-gateway.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
