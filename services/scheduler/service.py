@@ -211,6 +211,8 @@ class SchedulerService:
         self.gateways[gateway_id] = self.clock()
         if first_contact:
             log.info("gateway %s connected", gateway_id)
+            if self.core is not None:
+                self._send(gateway_id, self._stats())  # its /v1/config and metrics fill at once
             self._send(gateway_id, self._health())
 
     def _handle_gateway(self, msg: ToScheduler) -> None:
@@ -290,6 +292,8 @@ class SchedulerService:
                 "rank %d reports %d KV blocks, fewer than the %d in use: it must be given the same budget",
                 msg.rank, msg.num_kv_blocks, self.core_num_kv_blocks,
             )
+        if self.core is not None:
+            self._broadcast(self._stats())  # numbers first, so a gateway that turns ready has them
         self._broadcast(self._health())
 
     def _build_core(self) -> None:
@@ -301,6 +305,7 @@ class SchedulerService:
         self.model = infos[0].model
         self.core_num_kv_blocks = num_kv_blocks
         self.core = Scheduler(self.config, num_kv_blocks, self.max_model_len)
+        self.next_stats = 0.0  # gateways learn the engine's numbers right away
         log.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, %d request(s) queued during start-up",
             num_kv_blocks, self.config.block_size, self.max_model_len, len(self.pending),

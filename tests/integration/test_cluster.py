@@ -57,9 +57,12 @@ def test_metadata_endpoints(serve_cluster: ServeProcess, client: openai.OpenAI) 
     assert httpx.get(f"{base}/health", trust_env=False).status_code == 200
     assert httpx.get(f"{base}/ready", trust_env=False).status_code == 200
     assert httpx.get(f"{base}/version", trust_env=False).status_code == 200
-    config = httpx.get(f"{base}/v1/config", trust_env=False).json()
-    flat = json.dumps(config)
-    assert "max_num_seqs" in flat and "max_waiting_requests" in flat
+
+    def knobs_shown() -> bool:
+        flat = json.dumps(httpx.get(f"{base}/v1/config", trust_env=False).json())
+        return "max_num_seqs" in flat and "max_waiting_requests" in flat and "queue_timeout_s" in flat
+
+    wait_for(knobs_shown, 5, what="the scheduler's knobs in /v1/config")
 
 
 def test_completion_usage_and_streaming_agree(serve_cluster: ServeProcess, client: openai.OpenAI) -> None:
