@@ -191,3 +191,17 @@ async def load_all(client: aioredis.Redis, layout: Layout) -> tuple[bool, dict[s
             if fields:
                 records[key_hash] = KeyRecord.from_redis(key_hash, fields)
     return enabled, records
+
+
+def redis_auth_enabled(url: str, timeout_s: float = 2.0) -> bool | None:
+    """Whether keys in this Redis turn authentication on (None: Redis unreachable).
+
+    For start-up checks such as refusing a public bind without authentication.
+    """
+    client = sync_client(url, timeout_s)
+    try:
+        return bool(client.exists(Layout().auth_flag))
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()

@@ -17,7 +17,7 @@ import redis
 
 from services.gateway import keys_cli
 from services.gateway.auth import Admission, AdmissionError, Grant
-from services.gateway.keystore import KeyStore, hash_key, sync_client
+from services.gateway.keystore import KeyStore, hash_key, redis_auth_enabled, sync_client
 from shared.config import GatewayConfig
 from tests.redis_server import RedisServer, free_port
 
@@ -228,3 +228,13 @@ def test_token_reservation_is_reconciled_with_real_usage(url: str) -> None:
     assert isinstance(capped, AdmissionError) and capped.code == "rate_limit_exceeded"
     assert isinstance(too_large, AdmissionError) and too_large.code == "request_too_large"
     assert too_large.status == 429 and "retry-after" not in too_large.headers
+
+
+def test_redis_auth_enabled_for_startup_checks(url: str) -> None:
+    assert redis_auth_enabled(url) is False
+    add_key(url, "ivy")
+    assert redis_auth_enabled(url) is True
+    # Revoking every key keeps authentication on: the server never silently opens.
+    KeyStore(sync_client(url)).revoke("ivy")
+    assert redis_auth_enabled(url) is True
+    assert redis_auth_enabled(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5) is None
