@@ -64,13 +64,23 @@ class OffsetsDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
-        context = [t for t in prompt_token_ids if t not in tokenizer.special_ids][-_CONTEXT_TOKENS:]
-        # a context ending inside a character would glue the output's first bytes to it
-        while context and self._decode(context).endswith(REPLACEMENT):
-            context.pop()
-        self._ids: list[int] = list(context)
+        self._ids: list[int] = self._clean_context(
+            [t for t in prompt_token_ids if t not in tokenizer.special_ids])
         self._prefix_offset = 0  # window start
         self._read_offset = len(self._ids)  # tokens before this are already released
+
+    def _clean_context(self, ids: list[int]) -> list[int]:
+        """The last few prompt tokens, cut on whole characters at both ends.
+
+        A window that starts or ends inside a character decodes to U+FFFD (a
+        byte-fallback run even turns wholly into U+FFFD when any byte of it is
+        invalid), which would garble the first output characters.
+        """
+        for end in range(len(ids), max(0, len(ids) - _CONTEXT_TOKENS) - 1, -1):
+            for start in range(max(0, end - _CONTEXT_TOKENS), max(0, end - 4 * _CONTEXT_TOKENS) - 1, -1):
+                if REPLACEMENT not in self._decode(ids[start:end]):
+                    return ids[start:end]
+        return []
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip_special)
