@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint unit bench-scheduler bench-offline bench-gateway clean browser
+.PHONY: install run test lint unit bench-scheduler bench-offline bench-gateway bench-smoke clean browser
 
 install: $(STAMP)
 
@@ -39,6 +39,12 @@ bench-scheduler: install
 
 bench-gateway: install
 	$(PY) -m services.gateway.bench --out results/bench-gateway.json
+
+# Load-test smoke run against a running server (default: `make run`'s); writes results/bench-smoke/board.md.
+BENCH_URL ?= http://127.0.0.1:8000
+bench-smoke: install
+	$(VENV)/bin/ferry bench run --base-url $(BENCH_URL) --scenario smoke --rates 0.1,0.2 --duration 20 \
+		--out results/bench-smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

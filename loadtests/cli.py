@@ -59,7 +59,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default="", help="bearer token, if the server wants one")
     g.add_argument("--duration", type=float, default=30.0, help="seconds of sending per run")
     g.add_argument("--arrival", choices=("auto", *ARRIVALS), default="auto",
-                   help="auto: the trace's own timestamps for agent-rag, mixed and --trace, else poisson")
+                   help="auto: the trace's own timestamps for agent-rag, mixed, smoke and --trace, else poisson")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson, <1: burstier)")
     g.add_argument("--concurrency", type=_ints, default=[], help="closed loop: in-flight levels, e.g. 1,4,16")
     g.add_argument("--max-concurrency", type=int, default=0, help="cap on in-flight requests in the open loop")
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--max-rate", type=float, default=64.0)
     exp = sub.add_parser("experiment", help="baseline and one-knob variants from a TOML file")
     exp.add_argument("file", type=Path)
-    exp.add_argument("--out", type=Path, default=None, help="output folder (default: bench-results/<file stem>)")
+    exp.add_argument("--out", type=Path, default=None, help="output folder (default: results/bench/<file stem>)")
     exp.add_argument("--quiet", action="store_true")
     gen = sub.add_parser("generate", help="write a scenario's trace file")
     _add_traffic_args(gen)
@@ -157,7 +157,7 @@ def _experiment(args: argparse.Namespace, command: list[str]) -> int:
     from loadtests.experiment import load_experiment, run_experiment
 
     experiment = load_experiment(args.file)
-    out = args.out or Path("bench-results") / args.file.stem
+    out = args.out or Path("results") / "bench" / args.file.stem
     results = run_experiment(experiment, out, args.quiet, command, _log(args.quiet))
     for decision in results["decisions"]:
         print(f"{decision['variant']}: {decision['verdict']}")
@@ -185,7 +185,7 @@ def _bench(args: argparse.Namespace, command: list[str]) -> int:
     scenario = None if args.trace else (args.scenario or "chat")
     kind = args.arrival
     if kind == "auto":
-        kind = "trace" if args.trace or scenario in ("agent-rag", "mixed") else "poisson"
+        kind = "trace" if args.trace or scenario in ("agent-rag", "mixed", "smoke") else "poisson"
     arrival = ArrivalSpec(kind, args.burstiness, args.seed)
     rates = list(args.rates)
     if args.command == "sweep" and not rates and kind != "closed":

@@ -9,6 +9,9 @@ The three seed traffic groups of the method, plus their mix:
   reused by many requests, varied output lengths, clients that cancel after a
   random number of tokens, and arrivals in bursts.
 - ``mixed``: the three interleaved, each with its own timed arrivals.
+- ``smoke``: a bit of everything, small (short prompts, 4-16 output tokens,
+  two shared prefixes, some cancellations, small bursts): a quick check that a
+  server and the whole tool work, on any hardware.
 
 Every trace is made at a nominal rate of 1 request/second; the ``trace``
 arrival process scales those offsets to the offered rate, the others replace
@@ -62,6 +65,10 @@ SCENARIOS: dict[str, ScenarioOptions] = {
         burst_size=(2, 8),
     ),
 }
+SCENARIOS["smoke"] = ScenarioOptions(
+    prompt_tokens=(8, 64), output_tokens=(4, 16), prefix_tokens=(32, 64), num_prefix_groups=2,
+    cancel_fraction=0.2, burst_size=(1, 3),
+)
 MIXED_SHARES: dict[str, float] = {"chat": 0.6, "long-context": 0.15, "agent-rag": 0.25}
 SCENARIO_NAMES = [*SCENARIOS, "mixed"]
 
