@@ -92,6 +92,7 @@ def test_worker_killed_mid_generation_is_restarted_and_requests_complete(cluster
     assert new_pid != old_pid
     wait_for(lambda: read_metrics(cluster.base_url).get("ferry:worker_restarts_total", 0.0) >= restarts_before + 1,
              10, what="the restart counter")
+    assert read_metrics(cluster.base_url)["ferry:worker_restarts_total"] == restarts_before + 1
     assert time.monotonic() - killed_at < 240
     wait_for(lambda: _idle(cluster.base_url), 15, what="an idle engine")
 
