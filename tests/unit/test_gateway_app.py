@@ -208,13 +208,15 @@ def test_non_stream_disconnect_aborts(env: Env, fake: FakeScheduler) -> None:
     fake.hold = True  # queued forever: only the disconnect can end it
     with pytest.raises(httpx.ReadTimeout):
         env.http.post("/v1/completions", json=COMPLETION, timeout=0.5)
+    wait_until(lambda: len(fake.adds) == 1, 5, "the request reached the scheduler")
     rid = fake.adds[-1].req_id
-    wait_until(lambda: rid in fake.aborted(), 3, "abort after the client went away")
+    wait_until(lambda: rid in fake.aborted(), 5, "abort after the client went away")
     # a client leaving while its stream waits in the queue is noticed too
     with pytest.raises(httpx.ReadTimeout):
         env.http.post("/v1/completions", json={**COMPLETION, "stream": True}, timeout=0.5)
+    wait_until(lambda: len(fake.adds) == 2, 5, "the stream reached the scheduler")
     rid = fake.adds[-1].req_id
-    wait_until(lambda: rid in fake.aborted(), 3, "abort of a queued stream")
+    wait_until(lambda: rid in fake.aborted(), 5, "abort of a queued stream")
 
 
 def test_scheduler_death_fails_in_flight_and_recovers(env: Env) -> None:
