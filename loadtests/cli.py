@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from loadtests.arrivals import ARRIVALS, ArrivalSpec
 from loadtests.scenarios import SCENARIO_NAMES, parse_overrides
 from loadtests.textgen import DEFAULT_TOKENIZER
@@ -124,9 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ferry bench: interrupted", file=sys.stderr)
         return 130
+    except httpx.HTTPError as exc:
+        where = exc.request.url if _has_request(exc) else "the server"
+        print(f"ferry bench: error: cannot talk to {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"ferry bench: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _has_request(exc: httpx.HTTPError) -> bool:
+    try:
+        return exc.request is not None
+    except RuntimeError:  # httpx raises when the error carries no request
+        return False
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -190,6 +203,10 @@ def _bench(args: argparse.Namespace, command: list[str]) -> int:
     rates = list(args.rates)
     if args.command == "sweep" and not rates and kind != "closed":
         rates = sweep_rates(args.start, args.factor, args.max_rate)
+    if kind == "closed" and not args.concurrency:
+        raise ValueError("--arrival closed needs --concurrency, e.g. --concurrency 1,4,16")
+    if kind != "closed" and not rates:
+        raise ValueError("pass the offered rates, e.g. --rates 0.5,1,2 (or --arrival closed --concurrency N)")
     num = args.num_requests or requests_needed(arrival, rates, args.concurrency, args.duration)
     trace = load_or_generate(args.trace, scenario, args.seed, args.tokenizer, num, parse_overrides(args.scenario_opt))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -63,10 +63,23 @@ def test_python_m_loadtests_generate(tmp_path: Path) -> None:
     assert len(read_trace(out).requests) == 12
 
 
-def test_bad_arguments_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert ferry_main(["bench", "run", "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path),
-                       "--trace", str(tmp_path / "missing.jsonl"), "--rates", "1"]) == 2
-    assert "cannot read trace" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace", "{tmp}/missing.jsonl", "--rates", "1"], "cannot read trace"),
+        (["--scenario", "chat"], "pass the offered rates"),
+        (["--arrival", "closed"], "needs --concurrency"),
+        (["--scenario", "chat", "--rates", "1", "--num-requests", "2"], "cannot talk to http://127.0.0.1:9/v1/models"),
+        (["--rates", "1", "--scenario-opt", "bogus=1"], "scenario option"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    argv = ["bench", "run", "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path), "--duration", "1"]
+    assert ferry_main(argv + [a.format(tmp=tmp_path) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ferry bench: error:") and message in err and "Traceback" not in err
 
 
 @pytest.mark.slow
