@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from typing import Any
 
@@ -17,7 +19,9 @@ class Progress:
         self.enabled = not quiet and sys.stderr.isatty()
         self.counts = {"ok": 0, "cancelled": 0, "error": 0}
         self.bar: Any = (
-            tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True, leave=True)
+            # A terminal that reports a size of 0x0 (a bare pty) would hide the bar.
+            tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True,
+                 ncols=_size().columns or 100, nrows=_size().lines or 20)
             if self.enabled
             else None
         )
@@ -31,3 +35,7 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _size() -> os.terminal_size:
+    return shutil.get_terminal_size((100, 20))
