@@ -240,13 +240,17 @@ class LocalLimiter:
         return len(self._buckets)
 
 
-class SharedLimiter:
-    """Runs the admission script in Redis, coalescing concurrent calls into one round trip.
+_Call = tuple[Any, list[str], list[int], "asyncio.Future[Any]"]  # (script, keys, args, result)
 
-    Every request waiting at the same moment goes out in one pipeline on one
-    connection (each script still runs atomically on its own), so a burst of
-    requests costs one round trip, not one connection each: a burst never turns
-    into a storm of connects that would time out against a healthy Redis.
+
+class SharedLimiter:
+    """Runs the limit scripts in Redis, coalescing concurrent calls into one round trip.
+
+    Every admission or refund waiting at the same moment goes out in one
+    pipeline on one connection (each script still runs atomically on its own),
+    so a burst of requests costs one round trip, not one connection each: a
+    burst never turns into a storm of connects that time out against a healthy
+    Redis.
     """
 
     MAX_BATCH = 256
@@ -256,19 +260,24 @@ class SharedLimiter:
         self.timeout_s = timeout_s
         self._admit = client.register_script(ADMIT_LUA)
         self._refund = client.register_script(REFUND_LUA)
-        self._pending: list[tuple[list[str], list[int], asyncio.Future[list[str]]]] = []
+        self._pending: list[_Call] = []
         self._flusher: asyncio.Task[None] | None = None
 
     async def admit(self, keys: list[str], args: list[int]) -> list[str]:
-        """The script's reply; raises RedisError/OSError/TimeoutError when Redis fails."""
-        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
-        self._pending.append((keys, args, future))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush())
-        return await asyncio.wait_for(asyncio.shield(future), self.timeout_s * 2)
+        """The admission script's reply; raises RedisError/OSError/TimeoutError when Redis fails."""
+        return list(await self._call(self._admit, keys, args))
 
     async def refund(self, key: str, tpm: int, delta: int) -> None:
-        await asyncio.wait_for(self._refund(keys=[key], args=[tpm, delta]), self.timeout_s)
+        await self._call(self._refund, [key], [tpm, delta])
+
+    async def _call(self, script: Any, keys: list[str], args: list[int]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((script, keys, args, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush())
+        # At most one batch ahead of ours, then ours.
+        return await asyncio.wait_for(asyncio.shield(future), self.timeout_s * 2)
 
     async def _flush(self) -> None:
         while self._pending:
@@ -276,13 +285,13 @@ class SharedLimiter:
             try:
                 replies = await asyncio.wait_for(self._run(batch), self.timeout_s)
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
-                for _, _, future in batch:
+                for *_, future in batch:
                     if not future.done():
                         future.set_exception(exc if isinstance(exc, Exception) else TimeoutError())
                 if not isinstance(exc, Exception):
                     raise
                 continue
-            for (_, _, future), reply in zip(batch, replies, strict=True):
+            for (*_, future), reply in zip(batch, replies, strict=True):
                 if future.done():
                     continue
                 if isinstance(reply, Exception):
@@ -290,11 +299,11 @@ class SharedLimiter:
                 else:
                     future.set_result(reply)
 
-    async def _run(self, batch: list[tuple[list[str], list[int], asyncio.Future[list[str]]]]) -> list[Any]:
+    async def _run(self, batch: list[_Call]) -> list[Any]:
         if len(batch) == 1:
-            keys, args, _ = batch[0]
-            return [await self._admit(keys=keys, args=args)]
+            script, keys, args, _ = batch[0]
+            return [await script(keys=keys, args=args)]
         pipe = self.client.pipeline(transaction=False)
-        for keys, args, _ in batch:
-            await self._admit(keys=keys, args=args, client=pipe)
+        for script, keys, args, _ in batch:
+            await script(keys=keys, args=args, client=pipe)
         return list(await pipe.execute(raise_on_error=False))

@@ -238,3 +238,23 @@ def test_redis_auth_enabled_for_startup_checks(url: str) -> None:
     KeyStore(sync_client(url)).revoke("ivy")
     assert redis_auth_enabled(url) is True
     assert redis_auth_enabled(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5) is None
+
+
+def test_concurrent_reservations_and_refunds_add_up(url: str) -> None:
+    secret = add_key(url, "jack", tpm=1000)
+
+    async def go() -> tuple[list[Grant | AdmissionError], Grant | AdmissionError, dict[str, Any]]:
+        admission = Admission(GatewayConfig(redis_url=url), "g1")
+        grants = await asyncio.gather(*(attempt(admission, secret, 10, 40) for _ in range(20)))
+        await asyncio.gather(*(admission.record_usage(g, 10) for g in grants if isinstance(g, Grant)))
+        after = await attempt(admission, secret, 10, 40)
+        health = admission.health()
+        await admission.close()
+        return grants, after, health
+
+    grants, after, health = asyncio.run(go())
+    assert all(isinstance(g, Grant) and g.shared for g in grants)  # 20 x 50 = the whole bucket
+    assert isinstance(after, Grant)
+    # 20 refunds of 40 came back, then this request reserved 50 (+ a few tokens of refill).
+    assert 750 <= int(after.headers["x-ratelimit-remaining-tokens"]) <= 760
+    assert health["redis"] == "ok"
