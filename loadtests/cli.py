@@ -167,7 +167,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace, command: list[str]) -> int:
-    from loadtests.experiment import load_experiment, run_experiment
+    from loadtests.experiment import load_experiment
+    from loadtests.experiment_run import run_experiment
 
     experiment = load_experiment(args.file)
     out = args.out or Path("results") / "bench" / args.file.stem
@@ -178,28 +179,12 @@ def _experiment(args: argparse.Namespace, command: list[str]) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace, command: list[str]) -> int:
-    from loadtests.bench import (
-        BenchJob,
-        bench_meta,
-        load_or_generate,
-        requests_needed,
-        run_config,
-        sweep_rates,
-    )
-    from loadtests.client import ClientConfig, discover_model_sync
-    from loadtests.metrics import CostModel, GoodputSLO, RunSLO
-    from loadtests.report import write_results
-    from loadtests.runner import BenchSettings, warmup
-    from loadtests.scrape import MetricNames
-    from loadtests.trace import write_trace
+def _arrival_and_rates(args: argparse.Namespace, scenario: str | None) -> tuple[ArrivalSpec, list[float]]:
+    from loadtests.bench import sweep_rates
 
-    log = _log(args.quiet)
-    scenario = None if args.trace else (args.scenario or "chat")
     kind = args.arrival
     if kind == "auto":
         kind = "trace" if args.trace or scenario in ("agent-rag", "mixed", "smoke") else "poisson"
-    arrival = ArrivalSpec(kind, args.burstiness, args.seed)
     rates = list(args.rates)
     if args.command == "sweep" and not rates and kind != "closed":
         rates = sweep_rates(args.start, args.factor, args.max_rate)
@@ -207,34 +192,60 @@ def _bench(args: argparse.Namespace, command: list[str]) -> int:
         raise ValueError("--arrival closed needs --concurrency, e.g. --concurrency 1,4,16")
     if kind != "closed" and not rates:
         raise ValueError("pass the offered rates, e.g. --rates 0.5,1,2 (or --arrival closed --concurrency N)")
+    return ArrivalSpec(kind, args.burstiness, args.seed), rates
+
+
+def _settings(args: argparse.Namespace, model: str) -> Any:
+    from loadtests.client import ClientConfig
+    from loadtests.metrics import CostModel, GoodputSLO, RunSLO
+    from loadtests.runner import BenchSettings
+    from loadtests.scrape import MetricNames
+
+    return BenchSettings(
+        ClientConfig(args.base_url, model, args.api_key, args.request_timeout, ignore_eos=args.ignore_eos),
+        metrics_url=None if args.no_server_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics"),
+        metric_names=MetricNames.with_overrides(args.metric_name),
+        sample_interval_s=args.sample_interval,
+        goodput=GoodputSLO.parse(args.goodput) if args.goodput else GoodputSLO(),
+        slo=RunSLO(args.slo_ttft_p95_ms, args.slo_e2e_p95_ms, args.slo_error_rate, args.slo_queue_p95_ms),
+        cost=CostModel(args.price_per_gpu_hour, args.num_gpus),
+        quiet=args.quiet,
+        records_dir=args.out / "requests",
+    )
+
+
+def _bench(args: argparse.Namespace, command: list[str]) -> int:
+    from loadtests.bench import (
+        BenchJob,
+        bench_meta,
+        load_or_generate,
+        requests_needed,
+        run_config,
+        server_info,
+    )
+    from loadtests.client import discover_model_sync
+    from loadtests.report import write_results
+    from loadtests.runner import warmup
+    from loadtests.trace import write_trace
+
+    scenario = None if args.trace else (args.scenario or "chat")
+    arrival, rates = _arrival_and_rates(args, scenario)
     num = args.num_requests or requests_needed(arrival, rates, args.concurrency, args.duration)
     trace = load_or_generate(args.trace, scenario, args.seed, args.tokenizer, num, parse_overrides(args.scenario_opt))
     args.out.mkdir(parents=True, exist_ok=True)
     write_trace(trace, args.out / "trace.jsonl")
     model = args.model or discover_model_sync(args.base_url, args.api_key)
-    goodput = GoodputSLO.parse(args.goodput) if args.goodput else GoodputSLO()
-    slo = RunSLO(args.slo_ttft_p95_ms, args.slo_e2e_p95_ms, args.slo_error_rate, args.slo_queue_p95_ms)
-    cost = CostModel(args.price_per_gpu_hour, args.num_gpus)
-    settings = BenchSettings(
-        ClientConfig(args.base_url, model, args.api_key, args.request_timeout, ignore_eos=args.ignore_eos),
-        metrics_url=None if args.no_server_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics"),
-        metric_names=MetricNames.with_overrides(args.metric_name),
-        sample_interval_s=args.sample_interval, goodput=goodput, slo=slo, cost=cost, quiet=args.quiet,
-        records_dir=args.out / "requests",
-    )
+    settings = _settings(args, model)
     job = BenchJob(trace, args.duration, arrival, tuple(rates), tuple(args.concurrency),
                    args.max_concurrency or None, stop_on_slo=args.command == "sweep", cooldown_s=args.cooldown)
-    job.plans()  # validate before touching the server
-    from loadtests.bench import server_info
-
     meta = bench_meta(command, trace, {
         "title": f"ferry bench {args.command}: {scenario or args.trace}",
         "base_url": args.base_url, "model": model, "server": server_info(args.base_url, args.api_key),
-        "arrival": kind if kind != "gamma" else f"gamma(burstiness={args.burstiness:g})",
-        "slo": vars(slo), "goodput": vars(goodput), "cost": vars(cost),
+        "arrival": arrival.kind if arrival.kind != "gamma" else f"gamma(burstiness={args.burstiness:g})",
+        "slo": vars(settings.slo), "goodput": vars(settings.goodput), "cost": vars(settings.cost),
     })
     warmup(trace, settings, args.warmup)
-    config = run_config("run", job, settings, log)
+    config = run_config("run", job, settings, _log(args.quiet))
     written = write_results({"meta": meta, "configs": [config]}, args.out)
     print(f"board: {written['board']}")
     if args.command == "sweep":

@@ -1,0 +1,109 @@
+"""Running an experiment: the same trace and rates against each configuration's own server.
+
+For the baseline and then each variant: start the server (``loadtests.server``),
+warm it up, run every rate (``loadtests.bench.run_config``), stop it, and
+rewrite the results so a later failure keeps what was measured. Then one
+decision record per variant (``loadtests.experiment.decide``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loadtests.bench import BenchJob, bench_meta, load_or_generate, requests_needed, run_config, server_info
+from loadtests.client import ClientConfig, discover_model_sync
+from loadtests.experiment import Experiment, decide
+from loadtests.report import slug, write_results
+from loadtests.runner import BenchSettings, warmup
+from loadtests.server import ManagedServer, ServerStartError
+from loadtests.trace import Trace, write_trace
+
+Log = Callable[[str], None]
+
+
+def run_experiment(experiment: Experiment, out_dir: Path, quiet: bool, command: list[str], log: Log) -> dict[str, Any]:
+    """Baseline then each variant; returns (and writes) the results with the decision records."""
+    trace, job = _prepare(experiment, out_dir)
+    input_set = {
+        "trace_sha256": trace.content_hash, "scenario": trace.meta.get("scenario", trace.meta.get("path")),
+        "seed": trace.meta.get("seed"), "num_requests": len(trace.requests), "rates": experiment.rates,
+        "duration_s": job.duration_s, "arrival": experiment.arrival.kind,
+    }
+    results: dict[str, Any] = {
+        "meta": bench_meta(command, trace, {
+            "title": experiment.title, "description": experiment.description, "experiment": str(experiment.source),
+            "arrival": experiment.arrival.kind, "slo": vars(experiment.slo), "goodput": vars(experiment.goodput),
+            "cost": vars(experiment.cost), "baseline": experiment.baseline,
+        }),
+        "configs": [],
+        "decisions": [],
+    }
+    configs = [("baseline", dict(experiment.baseline))]
+    configs += [(v.name, {**experiment.baseline, v.knob: v.value}) for v in experiment.variants]
+    for name, knobs in configs:
+        results["configs"].append(_run_one(experiment, name, knobs, trace, job, out_dir, quiet, log))
+        write_results(results, out_dir)  # partial results survive a later failure
+    baseline = results["configs"][0]
+    for variant, entry in zip(experiment.variants, results["configs"][1:], strict=True):
+        if entry.get("error"):
+            results["decisions"].append({
+                "variant": variant.name, "hypothesis": variant.hypothesis,
+                "changed_parameter": f"{variant.knob} -> {variant.value}", "input_set": input_set,
+                "pass_condition": variant.pass_condition, "measured_outcome": entry["error"],
+                "verdict": "inconclusive (the server did not start)",
+            })
+        else:
+            results["decisions"].append(decide(experiment, variant, baseline, entry, input_set))
+    write_results(results, out_dir)
+    return results
+
+
+def _prepare(experiment: Experiment, out_dir: Path) -> tuple[Trace, BenchJob]:
+    """The one trace every configuration gets, written beside the results with the experiment file."""
+    w = experiment.workload
+    duration = float(w.get("duration_s", 30))
+    trace_path = Path(w["trace"]) if w.get("trace") else None
+    if trace_path is not None and not trace_path.is_absolute():
+        trace_path = experiment.source.parent / trace_path
+    num = int(w.get("num_requests") or requests_needed(experiment.arrival, experiment.rates, [], duration))
+    tokenizer = str(w.get("tokenizer", experiment.server.model))
+    trace = load_or_generate(trace_path, w.get("scenario"), int(w.get("seed", 0)), tokenizer, num,
+                             experiment.scenario_overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_trace(trace, out_dir / "trace.jsonl")
+    # The file itself travels with the results, so the comparison can be repeated as run.
+    (out_dir / "experiment.toml").write_text(experiment.source.read_text(encoding="utf-8"), encoding="utf-8")
+    job = BenchJob(trace, duration, experiment.arrival, rates=tuple(experiment.rates),
+                   max_concurrency=int(w.get("max_concurrency", 0)) or None,
+                   stop_on_slo=bool(w.get("stop_on_slo", False)), cooldown_s=float(w.get("cooldown_s", 1.0)))
+    return trace, job
+
+
+def _run_one(experiment: Experiment, name: str, knobs: dict[str, Any], trace: Trace, job: BenchJob,
+             out_dir: Path, quiet: bool, log: Log) -> dict[str, Any]:
+    """Start this configuration's server, run every rate, stop it; a variant that fails to start is recorded."""
+    w = experiment.workload
+    server = ManagedServer(experiment.server, knobs, out_dir / "logs" / f"server-{slug(name)}.log")
+    entry: dict[str, Any] = {"name": name, "runs": [], "sweep": {},
+                             "server": {"command": server.command_line, "knobs": knobs}}
+    log(f"[{name}] starting: {server.command_line}")
+    try:
+        with server:
+            model = str(w.get("model") or discover_model_sync(server.base_url))
+            entry["server"]["info"] = server_info(server.base_url)
+            settings = BenchSettings(
+                ClientConfig(server.base_url, model, request_timeout_s=float(w.get("request_timeout_s", 300)),
+                             ignore_eos=bool(w.get("ignore_eos", False))),
+                metrics_url=server.base_url + "/metrics", goodput=experiment.goodput, slo=experiment.slo,
+                cost=experiment.cost, quiet=quiet, records_dir=out_dir / "requests" / slug(name),
+            )
+            warmup(trace, settings, int(w.get("warmup_requests", 2)))
+            entry.update(run_config(name, job, settings, log))
+    except ServerStartError as exc:
+        if name == "baseline":
+            raise
+        entry["error"] = str(exc).splitlines()[0]
+        log(f"[{name}] {entry['error']}")
+    return entry
