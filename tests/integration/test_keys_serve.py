@@ -8,13 +8,17 @@ serving continues, /health says degraded, and it says ok again once Redis is bac
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from services.gateway import keys_cli
+from services.gateway.registry import EngineRegistry
+from shared.config import GatewayConfig
 from tests.integration.conftest import ServeProcess, wait_for
 from tests.redis_server import RedisServer
 
@@ -31,6 +35,17 @@ def _add(url: str, capsys: pytest.CaptureFixture[str], *args: str) -> str:
 def _complete(client: httpx.Client, base: str, model: str, key: str | None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return client.post(f"{base}/v1/completions", json={**BODY, "model": model}, headers=headers)
+
+
+def _engines(url: str) -> list[dict[str, Any]]:
+    async def go() -> list[dict[str, Any]]:
+        registry = EngineRegistry(GatewayConfig(redis_url=url), "probe")
+        try:
+            return await registry.list_engines()
+        finally:
+            await registry.close()
+
+    return asyncio.run(go())
 
 
 def _redis_state(client: httpx.Client, base: str) -> str:
@@ -70,6 +85,12 @@ def test_keys_limits_and_redis_outage_over_http(tiny_model_dir: Path, tmp_path: 
             assert 25 <= int(limited.headers["retry-after"]) <= 30
             assert limited.headers["x-ratelimit-remaining-requests"] == "0"
             assert _redis_state(client, base) == "ok"
+            # The gateway publishes its replica to the engine registry.
+            wait_for(lambda: [e["ready"] for e in _engines(redis.url)] == [True], 15.0,
+                     what="the ready replica in the engine registry")
+            (engine,) = _engines(redis.url)
+            assert engine["model"] == model and engine["ready"] is True
+            assert engine["endpoint"] == serve.gateway_endpoint and engine["num_kv_blocks_total"] > 0
 
             redis.kill()
             start = time.monotonic()
@@ -78,6 +99,8 @@ def test_keys_limits_and_redis_outage_over_http(tiny_model_dir: Path, tmp_path: 
             assert _redis_state(client, base) == "degraded"
             health = client.get(f"{base}/health").json()["redis"]
             assert health["detail"] and health["auth"] == "redis"
+            rows = {row["name"]: row for row in client.get(f"{base}/dashboard/data").json()["health"]}
+            assert rows["redis"]["status"] == "degraded" and rows["redis"]["up"] is False
             # The key's own limit, now per gateway: the local bucket starts full (2).
             local = [_complete(client, base, model, tight).status_code for _ in range(3)]
             assert local == [200, 200, 429]
@@ -85,6 +108,8 @@ def test_keys_limits_and_redis_outage_over_http(tiny_model_dir: Path, tmp_path: 
 
             redis.start()
             wait_for(lambda: _redis_state(client, base) == "ok", 15.0, what="redis ok again")
+            rows = {row["name"]: row for row in client.get(f"{base}/dashboard/data").json()["health"]}
+            assert rows["redis"]["status"] == "ok" and rows["redis"]["up"] is True
             # Shared limits resume: the bucket drained before the crash still refuses.
             assert _complete(client, base, model, tight).status_code == 429
             assert _complete(client, base, model, roomy).status_code == 200
