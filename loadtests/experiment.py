@@ -219,8 +219,18 @@ def measures(config_result: dict[str, Any], decision_rate: float) -> dict[str, A
     return summary
 
 
-OUTCOME_KEYS = ("completed_rps", "goodput_rps", "ttft_p95_ms", "queue_p95_ms", "e2e_p95_ms", "error_rate",
-                "preemptions", "peak_memory_bytes", "cost_per_accepted", "max_ok_rate")
+OUTCOME_KEYS = ("completed_rps", "goodput_rps", "ttft_p95_ms", "queue_p95_ms", "queue_p95_below_ms", "e2e_p95_ms",
+                "itl_p95_ms", "error_rate", "preemptions", "peak_memory_bytes", "cost_per_accepted", "max_ok_rate")
+
+
+def condition_names(text: str) -> list[str]:
+    """The measures a pass condition reads, in order of appearance."""
+    names: list[str] = []
+    for node in ast.walk(check_condition(text)):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name is not None and name != "baseline" and name not in names:
+            names.append(name)
+    return names
 
 
 def decide(experiment: Experiment, variant: Variant, baseline_result: dict[str, Any],
@@ -233,6 +243,7 @@ def decide(experiment: Experiment, variant: Variant, baseline_result: dict[str, 
     except Unavailable as exc:
         verdict = f"inconclusive ({exc} is n/a on this server)"
     before = experiment.baseline.get(variant.knob, "server default")
+    keys = list(OUTCOME_KEYS) + [k for k in condition_names(variant.pass_condition) if k not in OUTCOME_KEYS]
     return {
         "variant": variant.name,
         "hypothesis": variant.hypothesis,
@@ -241,8 +252,8 @@ def decide(experiment: Experiment, variant: Variant, baseline_result: dict[str, 
         "pass_condition": variant.pass_condition,
         "measured_outcome": {
             "decision_rate": experiment.decision_rate,
-            "variant": {k: mine.get(k) for k in OUTCOME_KEYS},
-            "baseline": {k: base.get(k) for k in OUTCOME_KEYS},
+            "variant": {k: mine.get(k) for k in keys},
+            "baseline": {k: base.get(k) for k in keys},
         },
         "verdict": verdict,
     }

@@ -83,8 +83,12 @@ def render_board(results: dict[str, Any]) -> str:
         f"format v{trace.get('format_version')}, tokenizer {trace.get('tokenizer', 'n/a')}"
     )
     for key in ("base_url", "model", "arrival", "slo", "goodput", "cost", "host"):
-        if meta.get(key) not in (None, "", {}):
-            lines.append(f"- {key}: {json.dumps(meta[key]) if isinstance(meta[key], dict) else meta[key]}")
+        value = meta.get(key)
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v is not None} or None
+            value = json.dumps(value) if value else None
+        if value not in (None, ""):
+            lines.append(f"- {key}: {value}")
     for config in results["configs"]:
         if config.get("server"):
             lines.append(f"- server `{config['name']}`: `{config['server'].get('command', '')}`")
@@ -140,13 +144,37 @@ def render_decision(decision: dict[str, Any]) -> str:
         ("changed parameter", "changed_parameter"),
         ("input set", "input_set"),
         ("pass condition", "pass_condition"),
-        ("measured outcome", "measured_outcome"),
-        ("verdict", "verdict"),
     ):
         value = decision.get(key)
         text = json.dumps(value) if isinstance(value, dict | list) else str(value)
         lines.append(f"- **{label}**: {text}")
+    lines.append("- **measured outcome**: " + _outcome(decision.get("measured_outcome")))
+    lines.append(f"- **verdict**: {decision.get('verdict')}")
     return "\n".join(lines)
+
+
+def _outcome(outcome: Any) -> str:
+    """Variant against baseline, one measure a row (a plain string when there was nothing to measure)."""
+    if not isinstance(outcome, dict) or "variant" not in outcome:
+        return str(outcome)
+    mine, base = outcome["variant"], outcome["baseline"]
+    rows = [f"at {fmt(outcome.get('decision_rate'), '{:g}')} req/s", "", "  | measure | baseline | variant |",
+            "  |---|---|---|"]
+    for key in mine:
+        if key.endswith("_below_ms"):
+            continue
+        rows.append(f"  | {key} | {_num(base, key)} | {_num(mine, key)} |")
+    return "\n".join(rows)
+
+
+def _num(values: dict[str, Any], key: str) -> str:
+    below = values.get(key.replace("_ms", "_below_ms")) if key.endswith("_p95_ms") else None
+    if below is not None:
+        return f"<{below:.0f}"
+    value = values.get(key)
+    if not isinstance(value, int | float):
+        return fmt(value, "{}")
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:

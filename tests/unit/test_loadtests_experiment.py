@@ -11,6 +11,7 @@ from loadtests.experiment import (
     ExperimentError,
     Unavailable,
     check_condition,
+    condition_names,
     decide,
     evaluate,
     load_experiment,
@@ -95,6 +96,10 @@ def test_conditions_are_restricted() -> None:
             check_condition(bad)
 
 
+def test_condition_names() -> None:
+    assert condition_names("a < baseline.b and (c > 1 or a == baseline.a)") == ["a", "b", "c"]
+
+
 def test_evaluate() -> None:
     mine, base = {"a": 2.0, "b": None}, {"a": 3.0, "b": 1.0}
     assert evaluate("a < baseline.a", mine, base) is True
@@ -121,6 +126,7 @@ def test_decision_records(tmp_path: Path) -> None:
     assert record["input_set"] == inputs and record["hypothesis"] == "h"
     assert record["measured_outcome"]["variant"]["ttft_p95_ms"] == 90.0
     assert record["measured_outcome"]["baseline"]["max_ok_rate"] == 2.0
+    assert "slo_met" not in record["measured_outcome"]["variant"]
     worse = decide(experiment, variant, _config("baseline", 100.0, 2.0), _config("v", 120.0, 1.0), inputs)
     assert worse["verdict"] == "fail"
     unknown = decide(experiment, variant, _config("baseline", None, 2.0), _config("v", 120.0, 1.0), inputs)

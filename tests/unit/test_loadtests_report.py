@@ -75,6 +75,23 @@ def test_files_written(tmp_path: Path) -> None:
     assert set(written) >= {"board", "results", "latency_plot", "throughput_plot", "decision:v1"}
 
 
+def test_decision_record_shows_variant_against_baseline(tmp_path: Path) -> None:
+    outcome = {"decision_rate": 2.0,
+               "variant": {"ttft_p95_ms": 1234.5, "queue_p95_ms": 285.0, "queue_p95_below_ms": 300.0,
+                           "goodput_rps": None},
+               "baseline": {"ttft_p95_ms": 99.25, "queue_p95_ms": 400.0, "queue_p95_below_ms": None,
+                            "goodput_rps": 0.5}}
+    decision = {"variant": "v", "hypothesis": "h", "changed_parameter": "k: 1 -> 2", "input_set": {},
+                "pass_condition": "ttft_p95_ms < baseline.ttft_p95_ms", "measured_outcome": outcome,
+                "verdict": "fail"}
+    write_results({**RESULTS, "decisions": [decision]}, tmp_path)
+    record = (tmp_path / "decision-v.md").read_text()
+    assert "at 2 req/s" in record
+    assert "| ttft_p95_ms | 99.25 | 1,234 |" in record  # baseline first, then the variant
+    assert "| queue_p95_ms | 400 | <300 |" in record
+    assert "| goodput_rps | 0.5 | n/a |" in record and "below" not in record
+
+
 def test_plots_survive_a_run_with_nothing(tmp_path: Path) -> None:
     empty = {**RESULTS, "configs": [{"name": "run", "runs": [
         {"name": "1rps", "rate": 1.0, "groups": {}, "slo_violations": ["no request completed"], "series": {},
