@@ -88,7 +88,8 @@ def _everything_in(client: redis.Redis) -> str:
         parts.append(str(key))
         kind = client.type(key)
         if kind == "hash":
-            parts += [f"{k}={v}" for k, v in client.hgetall(key).items()]  # type: ignore[union-attr]
+            fields: dict[Any, Any] = client.hgetall(key)  # type: ignore[assignment]
+            parts += [f"{k!s}={v!s}" for k, v in fields.items()]
         elif kind == "string":
             parts.append(str(client.get(key)))
     return "\n".join(parts)
@@ -117,7 +118,7 @@ def test_redis_keys_grant_name_priority_headers_and_refuse_bad_keys(url: str) ->
         admission = Admission(GatewayConfig(redis_url=url), "g1")
         before = await attempt(admission, None)  # no key was ever added: open
         secret = add_key(url, "dave", priority=-2, rpm=3)
-        out = {"before": before, "ok": await attempt(admission, secret),
+        out: dict[str, Any] = {"before": before, "ok": await attempt(admission, secret),
                "missing": await attempt(admission, None), "wrong": await attempt(admission, secret + "x")}
         client = sync_client(url)
         KeyStore(client).revoke("dave")

@@ -157,6 +157,10 @@ async def offer(client: httpx.AsyncClient, base: str, model: str, rate: float, s
     outcomes: list[Outcome] = []
     dropped = 0
     samples: list[tuple[float, int]] = []
+    def finished(task: asyncio.Task[Outcome]) -> None:
+        tasks.discard(task)
+        outcomes.append(task.result())
+
     start = time.perf_counter()
     next_arrival, next_sample = start, start
     while (now := time.perf_counter()) < start + s.duration_s:
@@ -169,7 +173,7 @@ async def offer(client: httpx.AsyncClient, base: str, model: str, rate: float, s
             else:
                 task = asyncio.create_task(one_request(client, base, model, rng, s.max_tokens))
                 tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), outcomes.append(t.result())))
+                task.add_done_callback(finished)
             next_arrival += rng.expovariate(rate)
             continue
         await asyncio.sleep(min(next_arrival, next_sample) - now)

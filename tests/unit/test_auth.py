@@ -12,10 +12,6 @@ from shared.config import GatewayConfig
 from tests.redis_server import free_port
 
 
-def _run(coro: object) -> object:
-    return asyncio.run(coro)  # type: ignore[arg-type]
-
-
 def test_parse_bearer() -> None:
     assert parse_bearer("Bearer abc") == "abc"
     assert parse_bearer("bearer   abc  ") == "abc"
@@ -34,7 +30,7 @@ def test_open_mode_admits_everything_without_headers() -> None:
         await admission.close()
         return grant, health
 
-    grant, health = _run(go())  # type: ignore[misc]
+    grant, health = asyncio.run(go())
     assert grant == Grant(key_name=None, priority=None, headers={})
     assert health["redis"] == "disabled"
     assert health["auth"] == "none"
@@ -52,7 +48,7 @@ def test_static_key() -> None:
         await admission.close()
         return results
 
-    ok, wrong, missing, no_scheme, prefix = _run(go())  # type: ignore[misc]
+    ok, wrong, missing, no_scheme, prefix = asyncio.run(go())
     assert isinstance(ok, Grant) and ok.key_name == "static" and ok.headers == {}
     for refused in (wrong, missing, no_scheme, prefix):
         assert isinstance(refused, AdmissionError)
@@ -80,7 +76,7 @@ def test_unreachable_redis_at_start_refuses_quickly_with_503_and_reports_degrade
         await admission.close()
         return info.value, elapsed, health, static
 
-    error, elapsed, health, static = _run(go())  # type: ignore[misc]
+    error, elapsed, health, static = asyncio.run(go())
     assert error.status == 503 and error.code == "key_store_unavailable"
     assert error.headers["retry-after"] == "1"
     assert elapsed < 1.0, elapsed
