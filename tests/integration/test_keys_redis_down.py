@@ -8,8 +8,11 @@ limits resume when Redis is back.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
+
+import pytest
 
 from services.gateway.auth import Admission, AdmissionError, Grant
 from services.gateway.keystore import KeyStore, sync_client
@@ -39,7 +42,8 @@ def gateway(url: str, name: str) -> Admission:
     return Admission(GatewayConfig(redis_url=url), name, reconnect_interval_s=0.2)
 
 
-def test_redis_killed_falls_back_per_gateway_and_shared_limits_resume() -> None:
+def test_redis_killed_falls_back_per_gateway_and_shared_limits_resume(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     server = RedisServer(persist=True).start()
     try:
         secret, _ = KeyStore(sync_client(server.url)).add("ivan", rpm=4)
@@ -66,6 +70,7 @@ def test_redis_killed_falls_back_per_gateway_and_shared_limits_resume() -> None:
     refused = out["back_refusal"]
     assert isinstance(refused, AdmissionError) and refused.status == 429
     assert refused.headers["x-ratelimit-limit-requests"] == "4"
+    assert "redis unreachable" in caplog.text and secret not in caplog.text
 
 
 async def _kill_and_restart(server: RedisServer, secret: str) -> dict[str, Any]:

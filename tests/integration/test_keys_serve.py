@@ -113,6 +113,9 @@ def test_keys_limits_and_redis_outage_over_http(tiny_model_dir: Path, tmp_path: 
             # Shared limits resume: the bucket drained before the crash still refuses.
             assert _complete(client, base, model, tight).status_code == 429
             assert _complete(client, base, model, roomy).status_code == 200
+        log = serve.log_path.read_text(errors="replace")
+        assert "redis" in log.lower()
+        assert tight not in log and roomy not in log and tight[6:20] not in log
     finally:
         serve.kill()
         redis.stop()
