@@ -71,7 +71,9 @@ class Grant:
     """True when the limits were checked in Redis (so usage is reconciled there)."""
 
 
-_OPEN = Grant(key_name=None, priority=None)
+def _open() -> Grant:
+    """A grant for open mode (a fresh one each time: callers may add headers)."""
+    return Grant(key_name=None, priority=None)
 
 
 def parse_bearer(header: str | None) -> str | None:
@@ -117,7 +119,7 @@ class Admission:
             return Grant(key_name=STATIC_KEY_NAME, priority=None)
         if self._client is None:
             if self._static is None:
-                return _OPEN
+                return _open()
             raise _unauthorized(token)
         if self._state != "degraded":
             try:
@@ -190,7 +192,7 @@ class Admission:
         if status == "open":
             self._auth_enabled = False
             if self._static is None:
-                return _OPEN
+                return _open()
             raise _unauthorized(token)
         self._auth_enabled = True
         if status == "unknown" or token is None:
@@ -222,7 +224,7 @@ class Admission:
                                  "key_store_unavailable", {"retry-after": "1"})
         if not self._auth_enabled:
             if self._static is None:
-                return _OPEN
+                return _open()
             raise _unauthorized(token)
         if token is None:
             raise _unauthorized(token)

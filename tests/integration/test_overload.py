@@ -269,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     parser.add_argument("--model", default="", help="model for ferry serve (default: the tests' tiny model)")
     parser.add_argument("--json", default="", help="write the report here too")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="extra flag for ferry serve, repeatable (e.g. --serve-arg=--kv-cache-memory=268435456)")
     args = parser.parse_args(argv)
     settings = OverloadSettings(**{k: getattr(args, k) for k in asdict(defaults)})
     if args.model:
@@ -277,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         from tests.conftest import cached_tiny_model
 
         model = cached_tiny_model()
-    serve = ServeProcess(model, Path(tempfile.mkdtemp(prefix="ferry-overload-")), settings.serve_args()).start()
+    serve = ServeProcess(model, Path(tempfile.mkdtemp(prefix="ferry-overload-")),
+                         settings.serve_args() + list(args.serve_arg)).start()
     print(f"ferry serve log: {serve.log_path}", file=sys.stderr)
     try:
         serve.wait_ready()
