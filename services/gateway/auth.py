@@ -189,6 +189,11 @@ class Admission:
         self._consecutive_timeouts = 0
         self._mark_ok()
         status = reply[0]
+        if status == "open" and self._auth_enabled:
+            # Keys were on and Redis has none now: it lost its data (restarted without
+            # persistence). Never fall open: serve from the cache until the watcher restores them.
+            self._mark_lost()
+            return self._authorize_local(token, num_prompt_tokens, max_tokens)
         if status == "open":
             self._auth_enabled = False
             if self._static is None:
@@ -210,8 +215,14 @@ class Admission:
 
     async def _refresh(self) -> None:
         assert self._client is not None
-        enabled, records = await asyncio.wait_for(keystore.load_all(self._client, self.layout),
-                                                  self.redis_timeout_s * 10)
+        timeout = self.redis_timeout_s * 10
+        enabled, records = await asyncio.wait_for(keystore.load_all(self._client, self.layout), timeout)
+        if not enabled and self._auth_enabled:
+            log.warning("redis lost its API keys; restoring %d key records from this gateway's cache",
+                        len(self._cache))
+            await asyncio.wait_for(keystore.restore(self._client, self.layout, list(self._cache.values())),
+                                   timeout)
+            enabled, records = await asyncio.wait_for(keystore.load_all(self._client, self.layout), timeout)
         self._auth_enabled = enabled
         self._cache = records
 
@@ -261,6 +272,14 @@ class Admission:
             if self._consecutive_timeouts < 2:
                 return
         self._mark_degraded(exc)
+
+    def _mark_lost(self) -> None:
+        if self._state != "degraded":
+            log.warning("redis has no API keys any more; using cached keys and per-gateway limits")
+            self._degraded_since = time.time()
+            self.local.clear()
+        self._state = "degraded"
+        self._detail = "Redis lost its API keys (restarted without persistence?); restoring from cache"
 
     def _mark_degraded(self, exc: BaseException) -> None:
         if self._state != "degraded":

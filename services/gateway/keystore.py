@@ -205,3 +205,34 @@ def redis_auth_enabled(url: str, timeout_s: float = 2.0) -> bool | None:
         return None
     finally:
         client.close()
+
+
+# KEYS: names hash, key record, auth flag. ARGV: name, key hash, priority, rpm, tpm, created.
+# Puts one record back unless its name is taken (so concurrent restores from several
+# gateways, or a key re-added meanwhile, never clobber anything).
+RESTORE_LUA = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('HSET', KEYS[2], 'name', ARGV[1], 'priority', ARGV[3], 'rpm', ARGV[4], 'tpm', ARGV[5],
+             'created', ARGV[6])
+end
+redis.call('SET', KEYS[3], '1')
+return 1
+"""
+
+
+async def restore(client: aioredis.Redis, layout: Layout, records: list[KeyRecord]) -> None:
+    """Write cached key records back into a Redis that lost them (restarted without persistence).
+
+    Only hashes and limits are written: the same records ``ferry keys add`` made.
+    Gateways call this when authentication was on and the flag is gone, so a Redis
+    crash never turns an authenticated server into an open one.
+    """
+    script = client.register_script(RESTORE_LUA)
+    pipe = client.pipeline(transaction=False)
+    for r in records:
+        fields = r.to_redis()
+        await script(keys=[layout.names, layout.record(r.key_hash), layout.auth_flag],
+                     args=[r.name, r.key_hash, fields["priority"], fields["rpm"], fields["tpm"], fields["created"]],
+                     client=pipe)
+    pipe.set(layout.auth_flag, "1")  # authentication stays on even with no key left to restore
+    await pipe.execute()

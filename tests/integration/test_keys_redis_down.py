@@ -129,3 +129,50 @@ async def _pause_and_resume(server: RedisServer, secret: str) -> dict[str, Any]:
     out["after"] = (await timed(a, secret))[0]
     await a.close()
     return out
+
+
+def test_redis_restarted_empty_never_opens_the_server_and_keys_are_restored() -> None:
+    """ferry serve's embedded Redis keeps nothing on disk: a crash must not disable auth."""
+    server = RedisServer(persist=False).start()
+    try:
+        secret, _ = KeyStore(sync_client(server.url)).add("kate", rpm=100, priority=2)
+        out = asyncio.run(_restart_empty(server, secret))
+        names = [r.name for r in KeyStore(sync_client(server.url)).list()]
+    finally:
+        server.stop()
+    assert isinstance(out["before"], Grant) and out["before"].shared
+    # Right after the empty restart: no key anywhere in Redis, yet no open door.
+    assert isinstance(out["no_key_lost"], AdmissionError) and out["no_key_lost"].status == 401
+    assert isinstance(out["key_lost"], Grant) and out["key_lost"].key_name == "kate"
+    # The watcher put the records back: shared limits with the same secret, auth still on.
+    assert out["health"]["redis"] == "ok" and out["health"]["auth"] == "redis"
+    after = out["after"]
+    assert isinstance(after, Grant) and after.shared and after.priority == 2
+    assert isinstance(out["no_key_after"], AdmissionError) and out["no_key_after"].status == 401
+    assert names == ["kate"]
+    assert isinstance(out["no_key_flushed"], AdmissionError) and out["no_key_flushed"].status == 401
+    assert out["health_flushed"]["redis"] == "degraded" and "lost" in out["health_flushed"]["detail"]
+    assert isinstance(out["after_flush"], Grant) and out["after_flush"].shared
+
+
+async def _restart_empty(server: RedisServer, secret: str) -> dict[str, Any]:
+    a = Admission(GatewayConfig(redis_url=server.url), "ga", reconnect_interval_s=0.2, refresh_interval_s=0.5)
+    out: dict[str, Any] = {"before": (await timed(a, secret))[0]}
+    await wait_health([a], "ok")
+    await asyncio.sleep(0.6)  # one cache refresh after the first request
+    server.kill()
+    server.start()
+    out["no_key_lost"] = (await timed(a, ""))[0]
+    out["key_lost"] = (await timed(a, secret))[0]
+    await wait_health([a], "ok")
+    out["health"] = a.health()
+    out["after"] = (await timed(a, secret))[0]
+    out["no_key_after"] = (await timed(a, ""))[0]
+    # Data lost under a live connection (FLUSHALL): the admission script itself sees no keys.
+    sync_client(server.url).flushall()
+    out["no_key_flushed"] = (await timed(a, ""))[0]
+    out["health_flushed"] = a.health()
+    await wait_health([a], "ok")
+    out["after_flush"] = (await timed(a, secret))[0]
+    await a.close()
+    return out
