@@ -9,11 +9,15 @@ serving continues, /health says degraded, and it says ok again once Redis is bac
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from services.gateway import keys_cli
@@ -119,3 +123,49 @@ def test_keys_limits_and_redis_outage_over_http(tiny_model_dir: Path, tmp_path: 
     finally:
         serve.kill()
         redis.stop()
+
+
+def _redis_child(serve: ServeProcess) -> psutil.Process | None:
+    """The live embedded redis-server (None between its death and its restart)."""
+    found = []
+    for proc in serve.descendants():
+        with contextlib.suppress(psutil.Error):  # zombies and exits while we look
+            if proc.status() != psutil.STATUS_ZOMBIE and "redis-server" in " ".join(proc.cmdline()):
+                found.append(proc)
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def test_embedded_redis_crash_keeps_keys_and_auth(tiny_model_dir: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """ferry serve restarts its (non-persistent) Redis empty: auth must stay on, keys keep working."""
+    serve = ServeProcess(tiny_model_dir, tmp_path).start()
+    try:
+        serve.wait_ready()
+        assert keys_cli.main(["--runtime-dir", serve.runtime_dir, "add", "kim", "--rpm", "100"]) == 0
+        secret = capsys.readouterr().out.strip()
+        base = serve.base_url
+        with httpx.Client(timeout=60.0, trust_env=False) as client:
+            model = client.get(f"{base}/v1/models").json()["data"][0]["id"]
+            assert _complete(client, base, model, None).status_code == 401  # the first key turned auth on
+            assert _complete(client, base, model, secret).status_code == 200
+            old = _redis_child(serve)
+            assert old is not None
+            os.kill(old.pid, signal.SIGKILL)
+            statuses = []
+            deadline = time.monotonic() + 20.0
+            while time.monotonic() < deadline:
+                statuses.append(_complete(client, base, model, None).status_code)
+                assert _complete(client, base, model, secret).status_code == 200
+                new = _redis_child(serve)
+                if new is not None and new.pid != old.pid and _redis_state(client, base) == "ok":
+                    break
+                time.sleep(0.3)
+            assert _redis_state(client, base) == "ok", "ferry serve did not bring Redis back"
+            assert set(statuses) <= {401, 503}, statuses  # never served without a key
+            assert _complete(client, base, model, None).status_code == 401
+            assert _complete(client, base, model, secret).status_code == 200
+        assert keys_cli.main(["--runtime-dir", serve.runtime_dir, "list"]) == 0
+        assert capsys.readouterr().out.splitlines()[1].split()[:3] == ["kim", "0", "100"]
+    finally:
+        serve.kill()
