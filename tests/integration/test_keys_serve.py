@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -120,6 +121,10 @@ def test_keys_limits_and_redis_outage_over_http(tiny_model_dir: Path, tmp_path: 
         log = serve.log_path.read_text(errors="replace")
         assert "redis" in log.lower()
         assert tight not in log and roomy not in log and tight[6:20] not in log
+        # The key's priority is the default priority of its requests.
+        finished = [json.loads(line) for line in log.splitlines()
+                    if line.startswith("{") and '"request finished"' in line]
+        assert {(r["key"], r["priority"]) for r in finished if r["outcome"] == "ok"} == {("tight", 1), ("roomy", 0)}
     finally:
         serve.kill()
         redis.stop()
