@@ -89,6 +89,8 @@ class Report:
     after_status: int = 0
     after_kv_blocks_in_use: float = -1.0
     worker_restarts: float = 0.0
+    cpu_fraction_by_role: dict[str, float] = field(default_factory=dict)
+    """CPU seconds per wall second during the overload phase (1.0 = one core busy)."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -96,6 +98,31 @@ def percentile(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _role(proc: psutil.Process) -> str:
+    cmd = " ".join(proc.cmdline())
+    for role in ("gateway", "scheduler", "worker"):
+        if f"services.{role}" in cmd:
+            return role
+    return "redis" if "redis-server" in cmd else "serve"
+
+
+def cpu_seconds_by_role(pid: int) -> dict[str, float]:
+    """User + system CPU seconds so far of ferry serve and each kind of child."""
+    out: dict[str, float] = {"client": sum(psutil.Process().cpu_times()[:2])}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for proc in procs:
+        try:
+            role = _role(proc)
+            out[role] = out.get(role, 0.0) + sum(proc.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return out
 
 
 def tree_rss(pid: int) -> int:
@@ -214,8 +241,12 @@ async def run_overload(serve: ServeProcess, s: OverloadSettings) -> Report:
         model = (await client.get(f"{serve.base_url}/v1/models")).json()["data"][0]["id"]
         report.capacity_rps = round(await measure_capacity(client, serve.base_url, model, s), 3)
         rate = max(1.0, report.capacity_rps * s.factor)
+        cpu_before, wall_before = cpu_seconds_by_role(serve.proc.pid), time.perf_counter()
         outcomes, report.client_dropped, samples, offered_for = await offer(
             client, serve.base_url, model, rate, s, serve.proc.pid)
+        cpu_after, wall = cpu_seconds_by_role(serve.proc.pid), time.perf_counter() - wall_before
+        report.cpu_fraction_by_role = {role: round((cpu_after[role] - cpu_before.get(role, 0.0)) / wall, 3)
+                                       for role in sorted(cpu_after)}
         summarize(report, outcomes, samples, offered_for, s.duration_s)
         wait_for(lambda: _idle(serve.base_url), 60.0, what="the engine to go idle after the overload")
         after = await one_request(client, serve.base_url, model, random.Random(7), 8)
