@@ -11,7 +11,7 @@ Definitions match ``vllm bench serve`` where the two overlap:
   e2el, each ``value <= limit``) per second of run duration; a request with one
   output token counts a TPOT of 0, as in vLLM.
 - Percentiles: numpy's linear interpolation; throughput divides by the run's
-  duration (first send to last response).
+  duration (the start to the later of the send window's end and the last response).
 
 Latency statistics use completed requests only; cancelled requests are
 counted apart, and the error rate is errors over requests sent. The cost per
