@@ -46,5 +46,11 @@ bench-smoke: install
 	$(VENV)/bin/ferry bench run --base-url $(BENCH_URL) --scenario smoke --rates 0.1,0.2 --duration 20 \
 		--out results/bench-smoke
 
+# Overload: ferry serve (tiny model) at 4x its measured capacity for 60 s; see docs/operations.md.
+.PHONY: bench-overload
+bench-overload: install
+	@mkdir -p results
+	$(PY) -m tests.integration.test_overload --duration-s 60 --json results/overload.json
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
