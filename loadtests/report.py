@@ -24,8 +24,8 @@ from matplotlib.ticker import ScalarFormatter  # noqa: E402
 RESULTS_VERSION = 1
 
 MAIN_COLUMNS: list[tuple[str, str, str]] = [
-    ("offered req/s", "offered_rps", "{:.2f}"),
-    ("completed req/s", "completed_rps", "{:.2f}"),
+    ("offered req/s", "offered_rps", "{:.3g}"),
+    ("completed req/s", "completed_rps", "{:.3g}"),
     ("p95 TTFT ms", "ttft_p95_ms", "{:.0f}"),
     ("p95 queue ms", "queue_p95_ms", "{:.0f}"),
     ("p95 end-to-end ms", "e2e_p95_ms", "{:.0f}"),
@@ -33,7 +33,7 @@ MAIN_COLUMNS: list[tuple[str, str, str]] = [
     ("preemptions", "preemptions", "{:.0f}"),
 ]
 OTHER_COLUMNS: list[tuple[str, str, str]] = [
-    ("sent req/s", "sent_rps", "{:.2f}"),
+    ("sent req/s", "sent_rps", "{:.3g}"),
     ("output tok/s", "output_tok_s", "{:.1f}"),
     ("TTFT p50/p99 ms", "ttft_p50_ms|ttft_p99_ms", "{:.0f}"),
     ("ITL p95 ms", "itl_p95_ms", "{:.1f}"),
@@ -42,7 +42,7 @@ OTHER_COLUMNS: list[tuple[str, str, str]] = [
     ("done/cancel/err", "completed|cancelled|errors", "{:.0f}"),
     ("err 429/503/timeout/other", "errors_429|errors_503|errors_timeout|errors_other", "{:.0f}"),
     ("peak server MiB", "peak_memory_mib", "{:.0f}"),
-    ("goodput req/s", "goodput_rps", "{:.2f}"),
+    ("goodput req/s", "goodput_rps", "{:.3g}"),
     ("cost per accepted", "cost_per_accepted", "{:.6f}"),
 ]
 
