@@ -14,6 +14,7 @@ The core imports neither torch nor anything of the network.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -37,6 +38,8 @@ from .queues import DeadlineHeap, make_waiting_queue
 from .request import Request, RequestStatus
 from .stats import SchedulerCounters, build_stats
 from .step import StepBuilder
+
+logger = logging.getLogger("ferry.scheduler")
 
 
 class Scheduler:
@@ -100,6 +103,9 @@ class Scheduler:
             )
         if rejected is not None:
             self.counters.rejected[rejected.reason] += 1
+            logger.info(
+                "request rejected", extra={"req_id": req.req_id, "reason": rejected.reason, "detail": rejected.message}
+            )
             return rejected
         timeout = req.queue_timeout_s if req.queue_timeout_s is not None else self.config.queue_timeout_s
         if timeout > 0:
@@ -281,6 +287,14 @@ class Scheduler:
             self._finished_for_worker.append(req.req_id)
             req.known_to_worker = False
         self.counters.finished[reason] += 1
+        # Normal ends are DEBUG (one line per request at high rates); the others say why.
+        level = logging.DEBUG if reason in ("stop", "length") else logging.INFO
+        if logger.isEnabledFor(level):
+            logger.log(level, "request finished", extra={
+                "req_id": req.req_id, "finish_reason": reason, "num_prompt_tokens": req.num_prompt_tokens,
+                "num_output_tokens": req.num_tokens - req.num_prompt_tokens,
+                "num_preemptions": req.num_preemptions, "detail": error,
+            })
         delta = RequestDelta(
             req.req_id, new_token_ids or [], logprobs, finish_reason=reason, stop_token_id=stop_token_id,
             num_prompt_tokens=req.num_prompt_tokens if first else 0,

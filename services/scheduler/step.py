@@ -21,6 +21,7 @@ The algorithm, in one place:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from shared.messages import CachedRequestData, NewRequestData, StepPlan
@@ -29,6 +30,8 @@ from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
+
+logger = logging.getLogger("ferry.scheduler")
 
 
 class StepBuilder:
@@ -121,6 +124,10 @@ class StepBuilder:
         victim.reset_progress()
         victim.num_preemptions += 1
         sched.counters.num_preemptions += 1
+        logger.info("request preempted", extra={
+            "req_id": victim.req_id, "num_preemptions": victim.num_preemptions,
+            "num_free_blocks": sched.ledger.num_free_blocks,
+        })
         if victim.known_to_worker:
             sched._preempted_for_worker.append(victim.req_id)
             victim.known_to_worker = False
@@ -202,6 +209,11 @@ class StepBuilder:
             req.first_scheduled_time = self.now
             req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
         self.admitted.append((req, resumed))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request admitted", extra={
+                "req_id": req.req_id, "resumed": resumed, "num_cached_tokens": num_computed,
+                "queue_s": round(self.now - req.arrival_time, 4),
+            })
         self.num_scheduled[req.req_id] = n
         self.budget -= n
         return "ok"
