@@ -250,5 +250,6 @@ def _bench(args: argparse.Namespace, command: list[str]) -> int:
     print(f"board: {written['board']}")
     if args.command == "sweep":
         best = config["sweep"]["max_rate_meeting_slo"]
-        print(f"highest rate meeting the SLO: {'none' if best is None else f'{best:g}'}")
+        what = "concurrency" if config["sweep"]["axis"] == "concurrency" else "rate"
+        print(f"highest {what} meeting the SLO: {'none' if best is None else f'{best:g}'}")
     return 0

@@ -94,10 +94,11 @@ def render_board(results: dict[str, Any]) -> str:
             lines.append(f"- server `{config['name']}`: `{config['server'].get('command', '')}`")
         if config.get("sweep", {}).get("checked"):
             sweep = config["sweep"]
+            what, unit = ("concurrency", "") if sweep.get("axis") == "concurrency" else ("rate", " req/s")
             lines.append(
-                f"- sweep `{config['name']}`: highest rate meeting the SLO: "
-                f"{fmt(sweep.get('max_rate_meeting_slo'), '{:g}')} req/s"
-                + (f"; stopped at {sweep['stopped_at']:g} req/s ({'; '.join(sweep['broken'])})"
+                f"- sweep `{config['name']}`: highest {what} meeting the SLO: "
+                f"{fmt(sweep.get('max_rate_meeting_slo'), '{:g}')}{unit}"
+                + (f"; stopped at {sweep['stopped_at']:g}{unit} ({'; '.join(sweep['broken'])})"
                    if sweep.get("stopped_at") is not None else "")
             )
     runs = all_runs(results)
