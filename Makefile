@@ -37,6 +37,10 @@ unit: install
 bench-scheduler: install
 	$(PY) -m services.scheduler.bench
 
+# Offline throughput: ferry's engine vs transformers generate and continuous batching (minutes).
+bench-offline: install
+	$(PY) -m services.worker.bench_offline --threads 2 --out results/bench-offline.json
+
 bench-gateway: install
 	$(PY) -m services.gateway.bench --out results/bench-gateway.json
 

@@ -12,9 +12,10 @@ sequence axis (batch dimension 1):
     slots:   where each token's K/V goes: block_table[pos // bs] * bs + pos % bs
 
 Per layer this function (1) scatters the new keys/values into their slots of
-the layer's cache, (2) runs all single-token requests ("decodes") as one padded
-SDPA call over their gathered blocks, grouped-query style without repeating
-K/V, and (3) runs each multi-token request ("prefill" chunk) as its own SDPA
+the layer's cache, (2) runs the single-token requests ("decodes") as a few
+padded SDPA calls over their gathered blocks (grouped by context length so a
+long document does not pad every short chat to its length), grouped-query
+style without repeating K/V, and (3) runs each multi-token request ("prefill" chunk) as its own SDPA
 call: with no cached prefix it attends to its own fresh K/V with a causal mask;
 with a cached prefix (chunked prefill, prefix cache hit) it gathers its blocks.
 """
@@ -42,14 +43,21 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token requests of similar context length, attended in one padded SDPA call."""
+
+    token_idx: torch.Tensor  # [num_decodes] index in the packed batch
+    block_table: torch.Tensor  # [num_decodes, max_blocks] (padded with 0)
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * bs] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     """Everything the attention function needs for one step, built once per step."""
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, bs, kv_heads, head_dim] x2
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token
-    decode_token_idx: torch.Tensor | None = None  # [num_decodes] index in the packed batch
-    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] (padded with 0)
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * bs] bool
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -88,16 +96,15 @@ def paged_attention(
     v_flat.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
-    if meta.decode_token_idx is not None:
-        assert meta.decode_block_table is not None and meta.decode_mask is not None
-        num_decodes = meta.decode_token_idx.shape[0]
+    for dec in meta.decodes:
+        num_decodes = dec.token_idx.shape[0]
         # One query token per request; its heads grouped by the KV head they share:
         # [num_decodes, kv_heads, group, head_dim] attends to [num_decodes, kv_heads, ctx, head_dim].
-        qd = q.index_select(0, meta.decode_token_idx).view(num_decodes, num_kv_heads, group, head_dim)
-        kd = _gather(k_cache, meta.decode_block_table).transpose(1, 2)
-        vd = _gather(v_cache, meta.decode_block_table).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=meta.decode_mask, scale=scaling)
-        out.index_copy_(0, meta.decode_token_idx, od.reshape(num_decodes, num_heads, head_dim))
+        qd = q.index_select(0, dec.token_idx).view(num_decodes, num_kv_heads, group, head_dim)
+        kd = _gather(k_cache, dec.block_table).transpose(1, 2)
+        vd = _gather(v_cache, dec.block_table).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=dec.mask, scale=scaling)
+        out.index_copy_(0, dec.token_idx, od.reshape(num_decodes, num_heads, head_dim))
     for span in meta.prefills:
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
         if span.num_computed == 0:

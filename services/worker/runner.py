@@ -28,7 +28,7 @@ from shared.capacity import gpu_kv_budget_bytes
 from shared.config import WorkerConfig
 from shared.messages import StepPlan, StepResult
 
-from .attention import AttentionMetadata, PrefillSpan
+from .attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from .batch import BatchState, RequestState
 from .kv_cache import KVCache, num_blocks_for_budget
 from .loader import load_model
@@ -207,6 +207,20 @@ class ModelRunner:
         return PrefillSpan(offset, offset + end - start, start, block_ids, mask)
 
     def _decode_metadata(self, meta: AttentionMetadata, idx: list[int], states: Sequence[RequestState]) -> None:
+        """Group decodes by context length (sorted, a new group when padding would exceed ~25%)."""
+        ctx_lens = [s.num_computed_tokens + 1 for s in states]
+        order = sorted(range(len(states)), key=lambda i: ctx_lens[i])
+        group: list[int] = []
+        for i in order:
+            # Sorted ascending: padding this group to ctx_lens[i] wastes at most (1 - lo/hi).
+            if group and ctx_lens[group[0]] < 0.75 * ctx_lens[i] and ctx_lens[i] > 4 * self.block_size:
+                meta.decodes.append(self._decode_group([idx[j] for j in group], [states[j] for j in group]))
+                group = []
+            group.append(i)
+        if group:
+            meta.decodes.append(self._decode_group([idx[j] for j in group], [states[j] for j in group]))
+
+    def _decode_group(self, idx: list[int], states: Sequence[RequestState]) -> DecodeGroup:
         bs = self.block_size
         ctx_lens = np.array([s.num_computed_tokens + 1 for s in states], dtype=np.int64)
         blocks_per = -(-ctx_lens // bs)
@@ -216,9 +230,11 @@ class ModelRunner:
             table[i, : blocks_per[i]] = s.block_ids[: blocks_per[i]]
         valid = np.arange(max_blocks * bs)[None, :] < ctx_lens[:, None]
         dev = self.device
-        meta.decode_token_idx = torch.tensor(idx, dtype=torch.long, device=dev)
-        meta.decode_block_table = torch.from_numpy(table).to(dev)
-        meta.decode_mask = torch.from_numpy(valid).to(dev).view(len(states), 1, 1, -1)
+        return DecodeGroup(
+            token_idx=torch.tensor(idx, dtype=torch.long, device=dev),
+            block_table=torch.from_numpy(table).to(dev),
+            mask=torch.from_numpy(valid).to(dev).view(len(states), 1, 1, -1),
+        )
 
 
 def _eos_ids(config_dict: dict, generation_config: object) -> list[int]:
