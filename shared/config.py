@@ -61,8 +61,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """PUB socket step plans go out on."""
     result_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/result.sock"
     """PULL socket worker results come back on."""
-    step_timeout_s: float = 30.0
-    """A worker that has not answered a step in this long is declared dead."""
+    step_timeout_s: float = 120.0
+    """A worker that heartbeats but has not answered a step in this long is declared hung.
+    (A crashed worker is noticed sooner, by its missing heartbeats.) Generous on purpose:
+    a long prefill chunk on a busy CPU can take tens of seconds."""
     gateway_timeout_s: float = 10.0
     """A gateway silent for this long has its requests aborted."""
     stats_interval_s: float = 0.25

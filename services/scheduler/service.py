@@ -201,8 +201,11 @@ class SchedulerService:
             self._touch_gateway(msg.gateway_id)
             if isinstance(msg, GatewayHeartbeat):
                 continue
-            if self.step is not None:
-                self.deferred.append(msg)  # the core is mid-step: apply after update_from_result
+            if self.step is not None and not isinstance(msg, AddRequest):
+                # Aborts wait for the step to end (the worker is computing those requests).
+                # New requests join the waiting queue at once, so the waiting count and the
+                # queue-full refusal see them while a long step runs.
+                self.deferred.append(msg)
             else:
                 self._handle_gateway(msg)
 

@@ -274,3 +274,26 @@ def test_worker_of_a_previous_scheduler_is_asked_to_restart(harness: Harness) ->
     # Its restarted process announces itself and is used.
     h.announce(pid=4002)
     h.wait(lambda: h.health is not None and h.health.scheduler_ready, 10, "readiness")
+
+
+def test_request_arriving_during_a_long_step_is_counted_waiting(harness: Harness) -> None:
+    """A new request joins the waiting queue while a step runs, so the waiting gauge
+    (and a queue-full refusal) see it before the step ends."""
+    h = harness
+    h.announce(pid=3001)
+    h.wait(lambda: h.health is not None and h.health.scheduler_ready, 10, "readiness")
+    h.add("a", [1, 2, 3], max_tokens=4)
+    plan = h.next_plan()
+    assert isinstance(plan, StepPlan) and list(plan.num_scheduled_tokens) == ["a"]
+    # The worker holds the step (keeps heartbeating); "b" arrives meanwhile.
+    h.add("b", [4, 5, 6], max_tokens=4)
+    h.stats = None
+    deadline = time.monotonic() + 1.0  # well inside the 1.5 s step timeout
+    while time.monotonic() < deadline and not (h.stats is not None and h.stats.num_waiting == 1):
+        h.results.send(encode(WorkerHeartbeat(rank=0, pid=3001, time=time.time())))
+        h.heartbeat()
+        h.pump_gateway(0.05)
+    assert h.stats is not None and h.stats.num_waiting == 1 and h.stats.num_running == 1, h.stats
+    h.answer(plan, pid=3001)
+    plan = h.next_plan()
+    assert isinstance(plan, StepPlan) and [r.req_id for r in plan.new_requests] == ["b"]
