@@ -131,6 +131,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A scheduler silent this long is treated as down (a dead process is noticed at once)."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM: stop accepting, give in-flight requests this long to finish, then abort them."""
+    max_inflight_requests: int = 2048
+    """Generation requests this gateway serves at once; one more is a 429 before any work (0: unbounded)."""
 
 
 # ---------------------------------------------------------------------------

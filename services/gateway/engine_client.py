@@ -84,6 +84,7 @@ class EngineClient:
         self.last_seen: float | None = None  # time.monotonic() of the last message
         self.health: EngineHealth | None = None
         self.stats: EngineStats | None = None
+        self.stats_received: float | None = None  # time.monotonic() when ``stats`` arrived
         self.down_reason = "no scheduler seen yet"
         self._streams: dict[str, RequestQueue] = {}
         self._orphans: set[str] = set()  # failed locally; abort them once a scheduler is back
@@ -147,6 +148,13 @@ class EngineClient:
 
     def ready(self) -> bool:
         return self.readiness()[0]
+
+    def stats_age_s(self) -> float | None:
+        """Seconds since the latest EngineStats arrived (this gateway's clock); None if none yet,
+        or if the scheduler is down (its last numbers no longer describe anything)."""
+        if self.stats_received is None or not self.connected:
+            return None
+        return time.monotonic() - self.stats_received
 
     @property
     def max_model_len(self) -> int:
@@ -245,6 +253,7 @@ class EngineClient:
                 queue.put_nowait((msg.req_id, msg))
         elif isinstance(msg, EngineStats):
             self.stats = msg
+            self.stats_received = time.monotonic()
             if self._on_stats is not None:
                 self._on_stats(msg)
         elif isinstance(msg, EngineHealth):

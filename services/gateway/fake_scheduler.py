@@ -55,6 +55,8 @@ class FakeScheduler:
         self.cached_tokens = 0
         self.mute = False  # alive but silent (a hung scheduler): sends nothing at all
         self.workers_ready = [0]
+        self.num_waiting = 0  # reported in EngineStats (the gateway's early queue_full check reads it)
+        self.stats_config = {"max_num_seqs": "4", "max_waiting_requests": "1024"}
         self.lock = threading.Lock()
         self._running: dict[str, dict[str, Any]] = {}
         self._gateways: set[bytes] = set()
@@ -108,9 +110,10 @@ class FakeScheduler:
                 next_stats = time.monotonic() + 0.1
                 for gw in self._gateways:
                     self._send(gw, self._health())
-                    self._send(gw, EngineStats(time=time.time(), num_running=len(self._running), num_waiting=0,
-                                               num_kv_blocks_total=64, num_kv_blocks_free=64, kv_usage=0.0,
-                                               config={"max_num_seqs": "4"}))
+                    self._send(gw, EngineStats(time=time.time(), num_running=len(self._running),
+                                               num_waiting=self.num_waiting, num_kv_blocks_total=64,
+                                               num_kv_blocks_free=64, kv_usage=0.0, drain_rate_rps=2.0,
+                                               config=dict(self.stats_config)))
 
     def _on_message(self, gw: bytes, msg: Any) -> None:
         if gw not in self._gateways:
@@ -165,8 +168,9 @@ class FakeScheduler:
             top = [TokenLogprob(tid, -0.25)] + [TokenLogprob(t, -2.0 - t / 1000) for t in range(3, 3 + 19)]
             lps = [SampleLogprobs(TokenLogprob(tid, -0.25), top[:add.sampling.logprobs])]
         now = time.time()
+        first = r.setdefault("first_token_time", now)
         timings = RequestTimings(arrival_time=add.arrival_time, first_scheduled_time=add.arrival_time,
-                                 first_token_time=now, finished_time=now if finish else None)
+                                 first_token_time=first, finished_time=now if finish else None)
         return RequestDelta(rid, [tid], lps, finish, stop_token_id=tid if finish == "stop" else None,
                             num_prompt_tokens=len(add.prompt_token_ids), num_cached_tokens=self.cached_tokens,
                             timings=timings if pos == 0 or finish else None)

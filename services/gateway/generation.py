@@ -17,7 +17,7 @@ metrics.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from services.gateway.detokenizer import TextStream
@@ -88,7 +88,10 @@ class Generation:
                                   spec.include_stop_str_in_output, spec.min_tokens, spec.skip_special_tokens))
         self.error: APIError | None = None
         self.settled = False  # usage and logs were accounted (serving.py)
+        self.on_settled: Callable[[], None] | None = None  # serving.py: frees the in-flight slot
         self.client_request_id: str | None = None  # the client's X-Request-Id, for the logs
+        # when the HTTP request reached the handler (before tokenizing): the client's clock starts here
+        self.received_time = self.arrival_time
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -120,7 +123,7 @@ class Generation:
                 self.metrics.on_request_finished(RequestRecord(
                     req_id=c.req_id, priority=self.priority, finish_reason=c.finish_reason or "abort",
                     num_prompt_tokens=c.num_prompt_tokens, num_output_tokens=c.num_output_tokens,
-                    num_cached_tokens=c.num_cached_tokens, arrival_time=self.arrival_time,
+                    num_cached_tokens=c.num_cached_tokens, arrival_time=self.received_time,
                     first_token_time=c.first_token_time, finished_time=now, token_times=c.token_times,
                     timings=c.timings, max_tokens=c.max_tokens, n=self.spec.n))
 
@@ -185,6 +188,43 @@ class Generation:
         self.close()
         raise err
 
+    # -- timings ---------------------------------------------------------------
+
+    def timings(self, now: float | None = None) -> dict[str, float | int | None]:
+        """Per-request timings for the client (vLLM-style extension), in seconds.
+
+        ``queue_time_s``, ``prefill_time_s``, ``decode_time_s`` and ``num_preemptions``
+        come from the scheduler's ``RequestTimings`` (differences of its own clock);
+        ``ttft_s`` and ``e2e_s`` from the gateway's clock, counted from the moment the
+        HTTP request reached the handler. With several choices: the slowest choice's
+        phase times, the earliest first token, preemptions summed. A phase not
+        reached (or unknown) is null.
+        """
+        end = time.time() if now is None else now
+        queue: list[float] = []
+        prefill: list[float] = []
+        decode: list[float] = []
+        preemptions = 0
+        for c in self.choices.values():
+            t = c.timings
+            if t is not None:
+                preemptions += t.num_preemptions
+                if t.first_scheduled_time is not None:
+                    queue.append(t.first_scheduled_time - t.arrival_time)
+                    if t.first_token_time is not None:
+                        prefill.append(t.first_token_time - t.first_scheduled_time)
+                if t.first_token_time is not None and t.finished_time is not None:
+                    decode.append(t.finished_time - t.first_token_time)
+                    continue
+            if c.first_token_time is not None and c.token_times and c.finish_reason is not None:
+                # stopped by the gateway (stop string): the scheduler never sent a finish time
+                decode.append(c.token_times[-1] - c.first_token_time)
+        firsts = [c.first_token_time for c in self.choices.values() if c.first_token_time is not None]
+        return {"queue_time_s": _longest(queue), "prefill_time_s": _longest(prefill),
+                "decode_time_s": _longest(decode),
+                "ttft_s": round(max(0.0, min(firsts) - self.received_time), 6) if firsts else None,
+                "e2e_s": round(max(0.0, end - self.received_time), 6), "num_preemptions": preemptions}
+
     # -- usage -----------------------------------------------------------------
 
     def usage(self) -> dict[str, object]:
@@ -199,6 +239,10 @@ class Generation:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _longest(values: list[float]) -> float | None:
+    return round(max(0.0, max(values)), 6) if values else None
 
 
 def failure_error(item: RequestDelta | RequestRejected | EngineFailure) -> APIError:

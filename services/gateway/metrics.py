@@ -38,6 +38,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from services.gateway.metrics_families import (
     DELIVERY_BUCKETS,
+    FINE_REQUEST_BUCKETS,
     ITL_BUCKETS,
     N_BUCKETS,
     REQUEST_BUCKETS,
@@ -115,10 +116,16 @@ class GatewayMetrics:
     # -- declaration ----------------------------------------------------------
 
     def _fan(self, cls: type[MetricWrapperBase], name: str, doc: str, labels: tuple[str, ...] = (),
-             vllm: bool = True, ferry: bool = True, **kwargs: Any) -> Fan:
+             vllm: bool = True, ferry: bool = True, vllm_buckets: list[float] | None = None,
+             **kwargs: Any) -> Fan:
+        """One metric under ``ferry:`` (and ``vllm:`` in compat mode); ``vllm_buckets``
+        replaces ``buckets`` for the ``vllm:`` series only, which keep vLLM's exact edges."""
         prefixes = (["ferry"] if ferry else []) + (["vllm"] if vllm and self.vllm_compat else [])
         labelnames = [*self._base, *labels]
-        made = [cls(f"{p}:{name}", doc, labelnames, registry=self.registry, **kwargs) for p in prefixes]
+        made = []
+        for p in prefixes:
+            kw = {**kwargs, "buckets": vllm_buckets} if p == "vllm" and vllm_buckets is not None else kwargs
+            made.append(cls(f"{p}:{name}", doc, labelnames, registry=self.registry, **kw))
         if not labels:
             # Materialize the series now so scrapes show zeros (and rate() works)
             # before the first stats or request arrive.
@@ -189,16 +196,13 @@ class GatewayMetrics:
                               buckets=ITL_BUCKETS)
         self.tpot_legacy = self._fan(h, "time_per_output_token_seconds", "Deprecated vLLM name of the TPOT.",
                                      ferry=False, buckets=ITL_BUCKETS)
-        self.e2e = self._fan(h, "e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=REQUEST_BUCKETS)
-        self.queue = self._fan(h, "request_queue_time_seconds", "Time in the waiting queue.",
-                               buckets=REQUEST_BUCKETS)
-        self.inference = self._fan(h, "request_inference_time_seconds", "Time in the running set.",
-                                   buckets=REQUEST_BUCKETS)
-        self.prefill = self._fan(h, "request_prefill_time_seconds", "First scheduled to first token.",
-                                 buckets=REQUEST_BUCKETS)
-        self.decode = self._fan(h, "request_decode_time_seconds", "First token to finish.",
-                                buckets=REQUEST_BUCKETS)
+        # request phases: finer low edges under ferry:, vLLM's exact edges under vllm:
+        phase: dict[str, Any] = {"buckets": FINE_REQUEST_BUCKETS, "vllm_buckets": REQUEST_BUCKETS}
+        self.e2e = self._fan(h, "e2e_request_latency_seconds", "End-to-end request latency.", **phase)
+        self.queue = self._fan(h, "request_queue_time_seconds", "Time in the waiting queue.", **phase)
+        self.inference = self._fan(h, "request_inference_time_seconds", "Time in the running set.", **phase)
+        self.prefill = self._fan(h, "request_prefill_time_seconds", "First scheduled to first token.", **phase)
+        self.decode = self._fan(h, "request_decode_time_seconds", "First token to finish.", **phase)
         self.delivery = self._fan(h, "request_delivery_lag_seconds", "Scheduler finish to the gateway's "
                                   "last byte (detokenization, slow clients).", vllm=False, buckets=DELIVERY_BUCKETS)
         self.req_prompt = self._fan(h, "request_prompt_tokens", "Prompt length per request.", buckets=length)

@@ -22,6 +22,10 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                 10.0, 20.0, 40.0, 80.0]
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# ferry's own request-phase series add finer edges below vLLM's first (0.3 s), so a
+# p95 queue or prefill time in the tens of milliseconds can be read; the vllm:
+# compat series keep exactly vLLM's edges.
+FINE_REQUEST_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, *REQUEST_BUCKETS]
 STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 STEP_SEQ_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 STEP_TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
@@ -74,8 +78,6 @@ class Fan:
                 metric.remove(*values)
             except KeyError:
                 pass
-
-
 
 
 class ScrapeTimeCollector(Collector):

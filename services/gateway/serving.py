@@ -1,9 +1,16 @@
 """POST /v1/completions and /v1/chat/completions: validate, admit, submit, answer.
 
-Order of checks: the body's schema (400), the model name (404), the request's
-meaning against the model (400: vocabulary, context length), admission (401 bad
-key, 429 rate limits), the engine (503 when the scheduler is down; 429 / 503 /
-400 when the scheduler refuses).
+Order of checks: the body's schema (400), the gateway's own backpressure (429
+``gateway_overloaded`` past ``max_inflight_requests``, 429 ``queue_full`` when
+fresh EngineStats show the scheduler's queue full: both before any tokenizing or
+Redis), the model name (404), the request's meaning against the model (400:
+vocabulary, context length), admission (401 bad key, 429 rate limits), the
+engine (503 when the scheduler is down; 429 / 503 / 400 when the scheduler
+refuses).
+
+Every response carries ``timings`` (a vLLM-style extension; on a stream, in the
+usage chunk when ``include_usage`` is set, else in the last chunk): see
+``Generation.timings``.
 
 Streams: the response headers wait up to ``STREAM_HEADER_WAIT_S`` for the first
 event, so a request the scheduler refuses at once (queue full) still gets a real
@@ -33,7 +40,7 @@ from services.gateway.errors import APIError
 from services.gateway.generation import ChoiceEvent, Generation
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.render import ChatRenderer, CompletionRenderer, Renderer, sse
-from services.gateway.state import GatewayState, state_of
+from services.gateway.state import GatewayState, InflightSlot, state_of
 from services.gateway.validation import GenerationSpec, validate_chat, validate_completion
 
 log = logging.getLogger("ferry.gateway.requests")
@@ -50,21 +57,41 @@ T = TypeVar("T")
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     st = state_of(request)
-    size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(str(p)) for p in body.prompt)
-    spec = await _maybe_in_thread(size, lambda: validate_completion(body, st.tokenizer, st.limits()))
-    renderer = CompletionRenderer(st.tokenizer, f"cmpl-{uuid.uuid4().hex}", st.model_name, spec.num_choices,
-                                  spec.logprobs is not None)
-    return await _serve(st, request, spec, renderer, "completions")
+    received = time.time()
+    slot = _backpressure(st)
+    try:
+        size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(str(p)) for p in body.prompt)
+        spec = await _maybe_in_thread(size, lambda: validate_completion(body, st.tokenizer, st.limits()))
+        renderer = CompletionRenderer(st.tokenizer, f"cmpl-{uuid.uuid4().hex}", st.model_name,
+                                      spec.num_choices, spec.logprobs is not None)
+        return await _serve(st, request, spec, renderer, "completions", slot, received)
+    except BaseException:
+        slot.release()  # idempotent: a generation that started released it already
+        raise
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     st = state_of(request)
-    size = sum(len(m.text()) for m in body.messages)
-    spec = await _maybe_in_thread(size, lambda: validate_chat(body, st.tokenizer, st.limits()))
-    renderer = ChatRenderer(st.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", st.model_name, spec.num_choices,
-                            spec.logprobs is not None)
-    return await _serve(st, request, spec, renderer, "chat")
+    received = time.time()
+    slot = _backpressure(st)
+    try:
+        size = sum(len(m.text()) for m in body.messages)
+        spec = await _maybe_in_thread(size, lambda: validate_chat(body, st.tokenizer, st.limits()))
+        renderer = ChatRenderer(st.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", st.model_name,
+                                spec.num_choices, spec.logprobs is not None)
+        return await _serve(st, request, spec, renderer, "chat", slot, received)
+    except BaseException:
+        slot.release()
+        raise
+
+
+def _backpressure(st: GatewayState) -> InflightSlot:
+    """The cheap refusals, before tokenizing or Redis: a full gateway, a full scheduler queue."""
+    refusal = st.early_refusal()
+    if refusal is not None:
+        raise refusal
+    return st.inflight.acquire()
 
 
 async def _maybe_in_thread(size: int, fn: Callable[[], T]) -> T:
@@ -80,10 +107,12 @@ async def _admit(st: GatewayState, request: Request, spec: GenerationSpec) -> Gr
 
 
 async def _serve(st: GatewayState, request: Request, spec: GenerationSpec, renderer: Renderer,
-                 endpoint: str) -> Response:
+                 endpoint: str, slot: InflightSlot, received: float) -> Response:
     grant = await _admit(st, request, spec)
     priority = spec.priority if spec.priority is not None else (grant.priority or 0)
     gen = Generation(st.engine, st.tokenizer, st.metrics, spec, renderer.id, priority, grant.key_name)
+    gen.received_time = received
+    gen.on_settled = slot.release
     gen.client_request_id = request.headers.get("x-request-id", "")[:128] or None
     started = time.monotonic()
     try:
@@ -108,7 +137,7 @@ async def _serve(st: GatewayState, request: Request, spec: GenerationSpec, rende
 async def _collect(gen: Generation, renderer: Renderer) -> dict[str, Any]:
     async for ev in gen.events():
         renderer.add(ev)
-    return renderer.response(gen.usage())
+    return {**renderer.response(gen.usage()), "timings": gen.timings()}
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -140,6 +169,8 @@ def _settle(st: GatewayState, grant: Grant, gen: Generation, endpoint: str, star
         return
     gen.settled = True
     gen.close()
+    if gen.on_settled is not None:
+        gen.on_settled()
     usage = gen.usage()
     produced = int(usage["completion_tokens"])  # type: ignore[call-overload]
     used = int(usage["total_tokens"]) if produced else 0  # type: ignore[call-overload]
@@ -227,7 +258,7 @@ async def _start_stream(st: GatewayState, request: Request, gen: Generation, ren
             async for ev in events:
                 yield sse(_chunk(renderer, gen, ev))
             if gen.spec.include_usage:
-                yield sse(renderer.usage_chunk(gen.usage()))
+                yield sse({**renderer.usage_chunk(gen.usage()), "timings": gen.timings()})
             outcome["value"] = "ok"
         except APIError as e:
             st.metrics.on_rejected(e.code or str(e.status), e.status)
@@ -251,4 +282,7 @@ def _headers(grant: Grant, gen: Generation) -> dict[str, str]:
 
 def _chunk(renderer: Renderer, gen: Generation, ev: ChoiceEvent) -> dict[str, Any]:
     usage = gen.usage() if gen.spec.include_usage and gen.spec.continuous_usage else None
-    return renderer.chunk(ev, usage)
+    chunk = renderer.chunk(ev, usage)
+    if not gen.unfinished and not gen.spec.include_usage:
+        chunk["timings"] = gen.timings()  # the last chunk (with usage, the usage chunk carries them)
+    return chunk

@@ -2,10 +2,23 @@
 
 One ``GatewayState`` per process, built once at start-up and stored on the app;
 route handlers reach it with ``state_of(request)``.
+
+It also holds the gateway's own backpressure, checked before a generation
+request costs anything (tokenizing, chat templating, Redis):
+
+- ``InflightLimiter``: at most ``max_inflight_requests`` generation requests open
+  at once in this gateway; one more is a 429 ``gateway_overloaded``;
+- ``GatewayState.early_refusal``: when the latest ``EngineStats`` (fresh, younger
+  than ``STATS_FRESH_S``) show the scheduler's waiting queue already at
+  ``max_waiting_requests``, a 429 ``queue_full`` without tokenizing. The
+  scheduler's own check stays authoritative: stats can be stale in either
+  direction, and a request that passes here can still be refused there.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import socket
 import time
@@ -18,6 +31,7 @@ from fastapi import Request
 
 from services.gateway.auth import Admission
 from services.gateway.engine_client import EngineClient
+from services.gateway.errors import APIError, retry_after_header
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.tokenizer import GatewayTokenizer, load_gateway_tokenizer
 from services.gateway.validation import ServingLimits
@@ -27,6 +41,68 @@ try:  # the Redis engine registry (admission's module); the gateway serves witho
     from services.gateway.registry import EngineRegistry
 except ImportError:  # pragma: no cover - only while that module is absent
     EngineRegistry = None  # type: ignore[assignment,misc]
+
+
+STATS_FRESH_S = 2.0  # older EngineStats are not trusted to refuse a request early
+RATE_WINDOW_S = 10.0  # how far back the gateway's completion rate is measured
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
+RETRY_AFTER_UNKNOWN_S = 5.0  # no measured rate to estimate from (the scheduler's choice too)
+
+
+def drain_retry_after_s(backlog: int, rate_per_s: float) -> float:
+    """Seconds until ``backlog`` requests have likely drained at ``rate_per_s``, clamped to 1..60."""
+    if rate_per_s <= 0 or not math.isfinite(rate_per_s):
+        return RETRY_AFTER_UNKNOWN_S
+    return round(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, backlog / rate_per_s)), 1)
+
+
+class InflightSlot:
+    """One open generation request; ``release()`` is idempotent (it runs from several paths)."""
+
+    __slots__ = ("_limiter", "_released")
+
+    def __init__(self, limiter: InflightLimiter) -> None:
+        self._limiter = limiter
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._limiter._on_release()
+
+
+class InflightLimiter:
+    """A bound on this gateway's open generation requests (``limit`` 0: unbounded)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._finished: collections.deque[float] = collections.deque()  # monotonic release times
+
+    def acquire(self) -> InflightSlot:
+        """A slot, or a 429 ``gateway_overloaded`` APIError when all are taken."""
+        if 0 < self.limit <= self.in_flight:
+            retry = drain_retry_after_s(self.in_flight, self.completion_rate())
+            raise APIError(429, f"the gateway is at its limit of {self.limit} open generation requests; "
+                                f"retry after {retry_after_header(retry)} s",
+                           code="gateway_overloaded", headers={"Retry-After": retry_after_header(retry)})
+        self.in_flight += 1
+        return InflightSlot(self)
+
+    def completion_rate(self) -> float:
+        """Generation requests released per second over the last ``RATE_WINDOW_S``."""
+        self._trim(time.monotonic())
+        return len(self._finished) / RATE_WINDOW_S
+
+    def _on_release(self) -> None:
+        self.in_flight -= 1
+        now = time.monotonic()
+        self._finished.append(now)
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._finished and self._finished[0] < now - RATE_WINDOW_S:
+            self._finished.popleft()
 
 
 def ferry_version() -> str:
@@ -52,6 +128,22 @@ class GatewayState:
     registry: Any = None  # EngineRegistry when available
     background: set[Any] = field(default_factory=set)
     started_at: int = field(default_factory=lambda: int(time.time()))
+    inflight: InflightLimiter = field(default_factory=lambda: InflightLimiter(0))
+
+    def early_refusal(self) -> APIError | None:
+        """429 ``queue_full`` when fresh EngineStats show the scheduler's queue already full."""
+        stats, age = self.engine.stats, self.engine.stats_age_s()
+        if stats is None or age is None or age > STATS_FRESH_S:
+            return None
+        try:
+            bound = int(stats.config["max_waiting_requests"])
+        except (KeyError, ValueError):
+            return None  # a scheduler that does not report its bound: let it decide
+        if stats.num_waiting < bound:
+            return None
+        retry = retry_after_header(drain_retry_after_s(stats.num_waiting, stats.drain_rate_rps))
+        return APIError(429, f"the waiting queue is full ({stats.num_waiting} of {bound} requests); "
+                             f"retry after {retry} s", code="queue_full", headers={"Retry-After": retry})
 
     @property
     def model_name(self) -> str:
@@ -68,6 +160,7 @@ class GatewayState:
         return {"status": "ok", "ready": ready, "reason": reason, "gateway_id": self.gateway_id,
                 "version": ferry_version(), "model": self.model_name, "scheduler": self.engine.status(),
                 "redis": self.admission.health(),
+                "in_flight": {"requests": self.inflight.in_flight, "limit": self.inflight.limit},
                 "registry": self.registry.health() if self.registry is not None else {"registry": "absent"}}
 
     def effective_config(self) -> dict[str, Any]:
@@ -111,4 +204,4 @@ def build_state(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None
     registry = EngineRegistry(config, gid) if EngineRegistry is not None else None
     return GatewayState(config=config, gateway_id=gid, tokenizer=tok, engine=engine, metrics=metrics_,
                         admission=Admission(config, gid), served_names=frozenset({model_name}),
-                        registry=registry)
+                        registry=registry, inflight=InflightLimiter(config.max_inflight_requests))

@@ -195,3 +195,26 @@ def test_two_instances_do_not_share_a_registry() -> None:
     a.on_engine_stats(stats(num_running=4))
     assert value(a, "ferry:num_requests_running") == 4
     assert value(b, "ferry:num_requests_running") == 0
+
+
+def bucket_edges(metrics: GatewayMetrics, name: str) -> list[float]:
+    return sorted(float(dict(labels)["le"]) for n, labels in samples(metrics) if n == name and
+                  dict(labels).get("le") not in (None, "+Inf"))
+
+
+def test_request_phases_have_fine_low_buckets_and_vllm_keeps_its_own() -> None:
+    m = GatewayMetrics("m", vllm_compat=True)
+    m.on_request_finished(record(timings=RequestTimings(arrival_time=T0, first_scheduled_time=T0 + 0.04,
+                                                        first_token_time=T0 + 0.1, finished_time=T0 + 1.0)))
+    for phase in ("request_queue_time_seconds", "request_prefill_time_seconds", "e2e_request_latency_seconds",
+                  "request_decode_time_seconds", "request_inference_time_seconds"):
+        ferry = bucket_edges(m, f"ferry:{phase}_bucket")
+        assert ferry[:3] == [0.005, 0.01, 0.025] and 0.3 in ferry and ferry[-1] == 7680.0, phase
+        assert bucket_edges(m, f"vllm:{phase}_bucket") == [  # vLLM's request_latency_buckets, exactly
+            0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+            480.0, 960.0, 1920.0, 7680.0], phase
+    # a 40 ms queue wait is readable under ferry: (le=0.05), lumped into the first bucket under vllm:
+    assert value(m, "ferry:request_queue_time_seconds_bucket", le="0.025") == 0
+    assert value(m, "ferry:request_queue_time_seconds_bucket", le="0.05") == 1
+    assert value(m, "vllm:request_queue_time_seconds_bucket", le="0.3") == 1
+    assert bucket_edges(m, "ferry:time_to_first_token_seconds_bucket")[0] == 0.001  # already fine
