@@ -85,6 +85,9 @@ class EngineClient:
         self.health: EngineHealth | None = None
         self.stats: EngineStats | None = None
         self.stats_received: float | None = None  # time.monotonic() when ``stats`` arrived
+        # requests this gateway sent since ``stats`` and the scheduler has not refused: the
+        # queue the stats describe has likely grown by these (see GatewayState.early_refusal)
+        self.sent_since_stats = 0
         self.down_reason = "no scheduler seen yet"
         self._streams: dict[str, RequestQueue] = {}
         self._orphans: set[str] = set()  # failed locally; abort them once a scheduler is back
@@ -192,6 +195,7 @@ class EngineClient:
                 if sent:
                     self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=sent))
                 raise EngineUnavailable("the scheduler is not reachable")
+        self.sent_since_stats += len(adds)
 
     def abort(self, req_ids: list[str]) -> None:
         """Tell the scheduler to drop these requests (best effort) and stop routing their deltas."""
@@ -248,12 +252,14 @@ class EngineClient:
                 if queue is not None:
                     queue.put_nowait((delta.req_id, delta))
         elif isinstance(msg, RequestRejected):
+            self.sent_since_stats = max(0, self.sent_since_stats - 1)
             queue = self._streams.pop(msg.req_id, None)
             if queue is not None:
                 queue.put_nowait((msg.req_id, msg))
         elif isinstance(msg, EngineStats):
             self.stats = msg
             self.stats_received = time.monotonic()
+            self.sent_since_stats = 0
             if self._on_stats is not None:
                 self._on_stats(msg)
         elif isinstance(msg, EngineHealth):

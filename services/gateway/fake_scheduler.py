@@ -56,6 +56,7 @@ class FakeScheduler:
         self.mute = False  # alive but silent (a hung scheduler): sends nothing at all
         self.workers_ready = [0]
         self.num_waiting = 0  # reported in EngineStats (the gateway's early queue_full check reads it)
+        self.drain_rate_rps = 2.0
         self.stats_config = {"max_num_seqs": "4", "max_waiting_requests": "1024"}
         self.lock = threading.Lock()
         self._running: dict[str, dict[str, Any]] = {}
@@ -112,7 +113,7 @@ class FakeScheduler:
                     self._send(gw, self._health())
                     self._send(gw, EngineStats(time=time.time(), num_running=len(self._running),
                                                num_waiting=self.num_waiting, num_kv_blocks_total=64,
-                                               num_kv_blocks_free=64, kv_usage=0.0, drain_rate_rps=2.0,
+                                               num_kv_blocks_free=64, kv_usage=0.0, drain_rate_rps=self.drain_rate_rps,
                                                config=dict(self.stats_config)))
 
     def _on_message(self, gw: bytes, msg: Any) -> None:

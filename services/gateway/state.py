@@ -9,10 +9,12 @@ request costs anything (tokenizing, chat templating, Redis):
 - ``InflightLimiter``: at most ``max_inflight_requests`` generation requests open
   at once in this gateway; one more is a 429 ``gateway_overloaded``;
 - ``GatewayState.early_refusal``: when the latest ``EngineStats`` (fresh, younger
-  than ``STATS_FRESH_S``) show the scheduler's waiting queue already at
-  ``max_waiting_requests``, a 429 ``queue_full`` without tokenizing. The
-  scheduler's own check stays authoritative: stats can be stale in either
-  direction, and a request that passes here can still be refused there.
+  than ``STATS_FRESH_S``) show the scheduler's waiting queue at
+  ``max_waiting_requests``, and still full after what this gateway sent since
+  and what drained since at the measured rate, a 429 ``queue_full`` without
+  tokenizing. The scheduler's own check stays authoritative: stats can be
+  stale in either direction, and a request that passes here can still be
+  refused there.
 """
 
 from __future__ import annotations
@@ -139,7 +141,11 @@ class GatewayState:
             bound = int(stats.config["max_waiting_requests"])
         except (KeyError, ValueError):
             return None  # a scheduler that does not report its bound: let it decide
-        if stats.num_waiting < bound:
+        # the queue now, as best this gateway can tell: the snapshot, plus what this gateway
+        # sent since (and was not refused), minus what drained meanwhile at the measured rate;
+        # refusing only when that is still full keeps a stale snapshot from starving the engine
+        estimate = stats.num_waiting + self.engine.sent_since_stats - stats.drain_rate_rps * age
+        if estimate < bound:
             return None
         retry = retry_after_header(drain_retry_after_s(stats.num_waiting, stats.drain_rate_rps))
         return APIError(429, f"the waiting queue is full ({stats.num_waiting} of {bound} requests); "

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -107,15 +108,15 @@ def test_inflight_bound_refuses_before_tokenizing_and_frees_its_slots(
 def test_full_queue_in_fresh_stats_refuses_without_tokenizing(
         env: Env, fake: FakeScheduler, validations: list[str]) -> None:
     fake.stats_config = {**fake.stats_config, "max_waiting_requests": "3"}
-    fake.num_waiting = 3
+    fake.num_waiting = 4  # over the bound by one: still full after 0.5 s of draining at 2 per second
     st: GatewayState = env.app.state.gateway
-    wait_until(lambda: st.engine.stats is not None and st.engine.stats.num_waiting == 3, 3, "stats with a full queue")
+    wait_until(lambda: st.engine.stats is not None and st.engine.stats.num_waiting == 4, 3, "stats with a full queue")
     before = rejected(env, "queue_full")
     for stream in (False, True):
         resp = env.http.post("/v1/completions", json={**COMPLETION, "stream": stream})
         assert resp.status_code == 429, resp.text
-        assert resp.json()["error"]["code"] == "queue_full" and "3 of 3" in resp.json()["error"]["message"]
-        assert resp.headers["retry-after"] == "2"  # 3 waiting / 2.0 per second drained, rounded up
+        assert resp.json()["error"]["code"] == "queue_full" and "4 of 3" in resp.json()["error"]["message"]
+        assert resp.headers["retry-after"] == "2"  # 4 waiting / 2.0 per second drained
     assert validations == [] and fake.adds == []
     assert rejected(env, "queue_full") == before + 2
     fake.num_waiting = 2  # room again: the next request goes through
@@ -124,9 +125,9 @@ def test_full_queue_in_fresh_stats_refuses_without_tokenizing(
     assert validations == ["completion"]
 
 
-def _state_with(stats: EngineStats | None, age_s: float, connected: bool = True) -> GatewayState:
+def _state_with(stats: EngineStats | None, age_s: float, connected: bool = True, sent: int = 0) -> GatewayState:
     engine = EngineClient("ipc:///nonexistent", "gw-test")
-    engine.stats, engine.connected = stats, connected
+    engine.stats, engine.connected, engine.sent_since_stats = stats, connected, sent
     engine.stats_received = time.monotonic() - age_s
     return GatewayState(config=GatewayConfig(), gateway_id="gw-test", tokenizer=None,  # type: ignore[arg-type]
                         engine=engine, metrics=None, admission=None,  # type: ignore[arg-type]
@@ -141,6 +142,13 @@ def test_early_refusal_needs_fresh_stats_and_a_reported_bound() -> None:
     assert _state_with(full, age_s=2.5).early_refusal() is None  # stale: the scheduler decides
     assert _state_with(full, age_s=0.1, connected=False).early_refusal() is None
     assert _state_with(None, age_s=0.1).early_refusal() is None
+    # what drained since the snapshot, and what this gateway sent since, move the estimate
+    draining = msgspec.structs.replace(full, drain_rate_rps=10.0)
+    assert _state_with(draining, age_s=0.5).early_refusal() is None  # ~3 waiting by now
+    assert _state_with(draining, age_s=0.5, sent=6).early_refusal() is not None  # ~9 again
+    filling = msgspec.structs.replace(full, num_waiting=6)
+    assert _state_with(filling, age_s=0.1).early_refusal() is None
+    assert _state_with(filling, age_s=0.1, sent=2).early_refusal() is not None
     unbounded = EngineStats(time=0.0, num_running=4, num_waiting=8, num_kv_blocks_total=1, num_kv_blocks_free=0,
                             kv_usage=1.0, config={})
     assert _state_with(unbounded, age_s=0.1).early_refusal() is None
