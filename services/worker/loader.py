@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shared import capacity
 from shared.models import ModelSource, converted_root, resolve_model, tokenizer_dir, write_atomically
 
 from .attention import ATTN_IMPLEMENTATION, register_paged_attention
@@ -42,12 +43,15 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """``auto`` is bfloat16 on a GPU and float32 on a CPU (see docs/worker.md for the measurement)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: expected auto, bfloat16, float32 or float16")
-    return DTYPES[dtype]
+    """``auto`` is bfloat16 on a GPU and float32 on a CPU (docs/worker.md says why).
+
+    The rule lives in ``shared.capacity.resolve_dtype`` so ``ferry plan`` sizes the
+    same KV cache the worker allocates.
+    """
+    name = capacity.resolve_dtype(dtype, device)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported for weights: expected auto, bfloat16, float32 or float16")
+    return DTYPES[name]
 
 
 def model_dir(source: ModelSource, cache_dir: str = "") -> Path:
