@@ -54,6 +54,8 @@ class GenerationParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
+
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -62,7 +64,7 @@ class GenerationParams:
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
         )
 
-    def stop(self, eos_token_ids: list[int]) -> StopParams:
+    def stop_params(self, eos_token_ids: list[int]) -> StopParams:
         return StopParams(
             max_tokens=self.max_tokens, min_tokens=self.min_tokens, eos_token_ids=list(eos_token_ids),
             stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
@@ -80,6 +82,7 @@ class Output:
     num_cached_tokens: int = 0
     timings: RequestTimings | None = None
     error: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if any
 
 
 class LLM:
@@ -139,7 +142,8 @@ class LLM:
         outputs = self._run(token_lists, param_list)
         if decode:
             for out in outputs:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                if out.stop_string is None:
+                    out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outputs
 
     def chat(
@@ -168,8 +172,9 @@ class LLM:
             outputs[req_id] = Output(req_id, tokens, logprobs=[] if p.logprobs is not None else None)
             pending.append(AddRequest(
                 req_id=req_id, gateway_id=GATEWAY_ID, prompt_token_ids=tokens, sampling=p.sampling(),
-                stop=p.stop(eos), arrival_time=time.time(),
+                stop=p.stop_params(eos), arrival_time=time.time(),
             ))
+        stops = {req.req_id: p.stop for req, p in zip(pending, params, strict=True) if p.stop}
         pending.reverse()  # pop() from the end keeps submission order
         sched = self.scheduler
         idle = 0
@@ -189,7 +194,27 @@ class LLM:
             for deltas in sched.take_deltas().values():
                 for delta in deltas:
                     _apply_delta(outputs[delta.req_id], delta)
+            self._check_stop_strings(outputs, stops)
         return list(outputs.values())
+
+    def _check_stop_strings(self, outputs: dict[str, Output], stops: dict[str, tuple[str, ...]]) -> None:
+        """Abort requests whose text now contains a stop string (decoded in full: only they pay)."""
+        hits: list[str] = []
+        for req_id, strings in stops.items():
+            out = outputs[req_id]
+            if out.finish_reason is not None or not out.token_ids:
+                continue
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            found = [(i, s) for s in strings if (i := text.find(s)) >= 0]
+            if found:
+                cut, string = min(found)
+                out.text, out.finish_reason, out.stop_string = text[:cut], "stop", string
+                hits.append(req_id)
+        if hits:
+            self.scheduler.abort_requests(hits)
+            self.scheduler.take_deltas()  # the abort deltas: the outputs are already final
+        for req_id in hits:
+            stops.pop(req_id)
 
 
 def _apply_delta(out: Output, delta: RequestDelta) -> None:

@@ -126,3 +126,18 @@ def test_runner_samples_only_when_a_chunk_reaches_the_end() -> None:
     assert second.req_ids == ["r"]
     assert second.sampled_token_ids == hf_greedy(cached_tiny_model("llama"), [prompt], 1)[0]
     assert runner.batch.requests["r"].token_ids == prompt + second.sampled_token_ids
+
+
+def test_stop_strings_cut_the_text_and_end_the_request() -> None:
+    torch.set_num_threads(1)
+    llm = tiny_llm(cached_tiny_model("llama"), num_blocks=64)
+    free = llm.generate([PROMPTS[2]], GenerationParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = llm.generate([PROMPTS[2]], GenerationParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                       stop=(stop, "never-appears")))[0]
+    assert out.finish_reason == "stop" and out.stop_string == stop
+    assert out.text == text[: text.find(stop)]
+    assert len(out.token_ids) < 10 and out.token_ids == free.token_ids[: len(out.token_ids)]
+    assert not llm.scheduler.has_unfinished_requests()
