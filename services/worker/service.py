@@ -26,6 +26,7 @@ import psutil
 import zmq
 
 from shared.config import WorkerConfig, add_config_args, config_as_dict, config_from_args
+from shared.logs import add_logging_args, setup_logging_from_args
 from shared.messages import (
     Shutdown,
     StepPlan,
@@ -139,12 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The worker's flags (also imported by tests/unit/test_compose.py to check docker-compose.yml)."""
     parser = argparse.ArgumentParser(prog="python -m services.worker", description="a ferry model worker rank")
     add_config_args(parser, WorkerConfig)
+    add_logging_args(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = config_from_args(WorkerConfig, build_parser().parse_args(argv))
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s"
-    )
+    args = build_parser().parse_args(argv)
+    config = config_from_args(WorkerConfig, args)
+    # The same structured logs as the gateway and scheduler, one service name per rank.
+    setup_logging_from_args(f"worker{config.rank}", args)
     return serve(config)

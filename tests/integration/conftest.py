@@ -101,8 +101,14 @@ class ServeProcess:
         return [
             sys.executable, "-m", "ferry_cli", "serve", "--model", self.model, "--port", str(self.port),
             "--runtime-dir", self.runtime_dir, "--num-threads", "1", "--kv-cache-memory", str(TINY_KV_BYTES),
-            "--shutdown-grace-s", "20", *self.extra_args,
+            "--shutdown-grace-s", "20", *self.dtype_args(), *self.extra_args,
         ]
+
+    def dtype_args(self) -> list[str]:
+        # float32 unless a test asks otherwise: its greedy outputs do not depend on the batch
+        # or on recompute after a restart, which the equality checks rely on ('auto' is bf16
+        # on CPUs with native bf16).
+        return [] if "--dtype" in self.extra_args else ["--dtype", "float32"]
 
     def start(self) -> ServeProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it

@@ -131,7 +131,9 @@ def test_activation_peak_scales_with_tokens_and_counts_fp32_logits() -> None:
 def test_dtype_names() -> None:
     assert cap.normalize_dtype("bf16") == "bfloat16"
     assert cap.normalize_dtype("fp8_e4m3") == "fp8"
-    assert cap.resolve_dtype("auto", "cpu") == "float32"  # as the worker's loader decides
+    assert cap.resolve_dtype("auto", "cpu", cpu_bf16=False) == "float32"  # as the worker's loader decides
+    assert cap.resolve_dtype("auto", "cpu", cpu_bf16=True) == "bfloat16"
+    assert cap.resolve_dtype("auto", "cpu") == ("bfloat16" if cap.cpu_has_native_bf16() else "float32")
     assert cap.resolve_dtype("auto", "gpu") == "bfloat16"
     assert cap.resolve_kv_dtype("auto", "float32") == "float32"
     assert cap.resolve_kv_dtype("fp8", "bfloat16") == "fp8"

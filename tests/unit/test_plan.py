@@ -26,6 +26,12 @@ H100 = parse_device("h100")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+
+@pytest.fixture(autouse=True)
+def cpu_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand-computed CPU rows assume 'auto' = float32, whatever CPU runs the tests."""
+    monkeypatch.setattr(cap, "cpu_has_native_bf16", lambda *_: False)
+
 def write_model(tmp_path: Path, config: dict) -> str:
     (tmp_path / "config.json").write_text(json.dumps(config))
     return str(tmp_path)
@@ -66,8 +72,8 @@ def test_fp8_kv_doubles_the_blocks() -> None:
 def test_cpu_budget_is_exactly_the_bytes_given() -> None:
     device = parse_device("cpu:1GiB")
     assert device.memory_bytes == 1 << 30
-    row = plan.plan_device(LLAMA3_8B, device, plan.PlanOptions(max_model_len=8192), None)
-    # auto on CPU is float32 (as the worker), so a KV token is 256 KiB and a block 4 MiB.
+    row = plan.plan_device(LLAMA3_8B, device, plan.PlanOptions(max_model_len=8192, dtype="float32"), None)
+    # float32: a KV token is 256 KiB and a block 4 MiB.
     assert (row["dtype"], row["kv_cache_dtype"]) == ("float32", "float32")
     assert row["kv_budget_bytes"] == 1 << 30
     assert row["kv_blocks"] == 256
@@ -165,7 +171,7 @@ def test_builtin_gguf_plan_never_imports_torch() -> None:
         "from ferry_cli.main import main\n"
         "buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf):\n"
-        "    rc = main(['plan', '--model', 'smollm2-135m-instruct', '--devices', 'cpu:1GiB', '--json'])\n"
+        "    rc = main(['plan', '--model', 'smollm2-135m-instruct', '--devices', 'cpu:1GiB', '--dtype', 'float32', '--json'])\n"
         "print(json.dumps({'rc': rc, 'rows': json.loads(buf.getvalue()),"
         " 'torch': 'torch' in sys.modules, 'transformers': 'transformers' in sys.modules}))\n"
     )
@@ -173,6 +179,6 @@ def test_builtin_gguf_plan_never_imports_torch() -> None:
     result = json.loads(out.stdout)
     assert result["rc"] == 0 and result["torch"] is False and result["transformers"] is False
     row = result["rows"][0]
-    assert row["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # float32 on CPU
+    assert row["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # float32
     assert row["kv_blocks"] == (1 << 30) // (23_040 * 2 * 16)
     assert row["weight_bytes"] == 134_515_008 * 4
