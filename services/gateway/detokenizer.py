@@ -134,13 +134,16 @@ class StopStringMatcher:
         if self.matched is not None or not text:
             return ""
         pending = self._pending + text
-        first: tuple[int, str] | None = None
+        # Generation stops the moment a stop string is complete, so the match that ENDS
+        # first wins (ties: the longer one); that keeps the result independent of how the
+        # text was split into increments.
+        first: tuple[int, int, str] | None = None
         for stop in self.stops:
             at = pending.find(stop)
-            if at >= 0 and (first is None or at < first[0] or (at == first[0] and len(stop) > len(first[1]))):
-                first = (at, stop)
+            if at >= 0 and (first is None or (at + len(stop), at) < first[:2]):
+                first = (at + len(stop), at, stop)
         if first is not None:
-            at, stop = first
+            _, at, stop = first
             self.matched = stop
             self._pending = ""
             return pending[:at] + (stop if self.include else "")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from shared.capacity import num_kv_blocks
+from shared.capacity import num_kv_blocks, resolve_dtype
 from shared.messages import (
     CachedRequestData,
     FromWorker,
@@ -97,7 +97,8 @@ def test_handshake_heartbeat_step_and_shutdown(tiny: tuple[FakeScheduler, Path])
     ready = sched.recv(WorkerReady)
     assert isinstance(ready, WorkerReady)
     config = json.loads((folder / "config.json").read_text())
-    assert ready.num_kv_blocks == num_kv_blocks(BUDGET, config, "float32", 8) > 0
+    # --dtype auto: the KV cache is in the dtype the shared rule picks for this CPU.
+    assert ready.num_kv_blocks == num_kv_blocks(BUDGET, config, resolve_dtype("auto", "cpu"), 8) > 0
     assert ready.block_size == 8 and ready.pid == sched.proc.pid
     assert ready.vocab_size == config["vocab_size"] and ready.max_model_len == config["max_position_embeddings"]
     assert 0 < ready.kv_cache_bytes <= BUDGET and ready.weight_bytes > 0

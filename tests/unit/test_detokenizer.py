@@ -213,8 +213,9 @@ def test_stop_matching_is_independent_of_how_text_is_split(text: str, cuts: list
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     m = StopStringMatcher(stops)
     out = "".join(m.push(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)) + m.flush()
-    hits = [text.find(s) for s in stops if s in text]
-    assert out == (text[:min(hits)] if hits else text)
+    # The stop string that is complete first wins (as if the text came a character at a time).
+    ends = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    assert out == (text[:min(ends)[1]] if ends else text)
 
 
 def test_text_stream_stops_across_tokens_and_respects_min_tokens(tiny: GatewayTokenizer) -> None:
@@ -244,3 +245,11 @@ def test_gateway_tokenizer_dir_of_a_folder_without_fast_tokenizer_fails(tmp_path
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         gateway_tokenizer_dir(str(tmp_path))
+
+
+def test_the_stop_string_completed_first_wins_whatever_the_split() -> None:
+    # Found by the property test above: "c" is complete before "aca" is.
+    for pieces in (["aaca"], ["aac", "a"], ["a", "a", "c", "a"]):
+        m = StopStringMatcher(["c", "aca"])
+        out = "".join(m.push(p) for p in pieces) + m.flush()
+        assert (out, m.matched) == ("aa", "c"), pieces
