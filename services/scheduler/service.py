@@ -28,6 +28,7 @@ timeout that wakes it for the next stats message or liveness check.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -308,6 +309,11 @@ class SchedulerService:
         self.model = infos[0].model
         self.core_num_kv_blocks = num_kv_blocks
         self.core = Scheduler(self.config, num_kv_blocks, self.max_model_len)
+        # Start-up objects (modules, the core's structures) leave the GC's view, so full
+        # collections walk only live request state; full collections are the source of
+        # the step-time p99 (docs/benchmarks.md, "Scheduler step cost").
+        gc.collect()
+        gc.freeze()
         self.next_stats = 0.0  # gateways learn the engine's numbers right away
         log.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, %d request(s) queued during start-up",
