@@ -122,7 +122,9 @@ class ServeProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"ferry serve exited with {self.proc.returncode}:\n{tail(self.log_path)}")
-            if http_status(f"{self.base_url}/ready") == 200:
+            # Ready is when `ferry serve` says so (it prints the URLs after its own /ready
+            # check and leaves its start-up phase); /ready alone can answer a moment sooner.
+            if http_status(f"{self.base_url}/ready") == 200 and f"{self.base_url}/metrics" in tail(self.log_path, 1 << 30):
                 self.tree = self.descendants()
                 return self
             time.sleep(0.25)
