@@ -1,7 +1,6 @@
 """A model's HF-style config for ``ferry plan``, read without torch or transformers.
 
-``shared.models.load_config_dict`` converts a GGUF through transformers (which
-imports torch) the first time; the planner must start instantly and never load
+Converting a GGUF's config through transformers imports torch; the planner must start instantly and never load
 weights, so it reads a GGUF's metadata with ``gguf.GGUFReader`` and maps the
 ``<arch>.*`` keys to the config fields transformers would produce. A Hugging Face
 folder is read from its config.json. Names resolve through ``shared.models``.

@@ -130,13 +130,3 @@ def tokenizer_dir(source: ModelSource, cache_dir: str = "") -> Path:
         AutoConfig.from_pretrained(folder, gguf_file=filename).save_pretrained(tmp)
 
     return write_atomically(converted_root(source, cache_dir) / "tokenizer", fill)
-
-
-def load_config_dict(name: str, cache_dir: str = "") -> dict[str, Any]:
-    """The model's HF config as a plain dict, without loading any weights."""
-    import json
-
-    source = resolve_model(name)
-    folder = tokenizer_dir(source, cache_dir)
-    with open(folder / "config.json") as f:
-        return dict(json.load(f))
