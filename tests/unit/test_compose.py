@@ -75,9 +75,11 @@ def test_command_and_environment_accepted_by_the_service_parser(name: str, monke
     parser = build_parser(module, env, monkeypatch)
     args = parser.parse_args([interpolate(a) for a in argv])
     known = {action.dest for action in parser._actions}
+    checked = 0
     for key, value in env.items():
         if not key.startswith("FERRY_") or key in NON_CONFIG_ENV:
             continue
+        checked += 1
         field = key[len("FERRY_"):].lower()
         assert field in known, f"{name}: {key} is not a knob of {module}"
         parsed = getattr(args, field)
@@ -87,6 +89,9 @@ def test_command_and_environment_accepted_by_the_service_parser(name: str, monke
             assert parsed == type(parsed)(value), f"{name}: {key}={value!r} parsed as {parsed!r}"
         else:
             assert parsed == value
+    # Every ferry service is configured through FERRY_* variables; none checked means the
+    # loop above compared nothing (a renamed key or an empty environment block).
+    assert checked > 0, f"{name}: no FERRY_* knob in its environment"
 
 
 def test_endpoints_meet_across_containers() -> None:
