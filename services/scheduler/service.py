@@ -437,8 +437,11 @@ class SchedulerService:
         self.gateway_sock.send_multipart([gateway_id.encode(), encode(msg)])
 
     def _broadcast(self, msg: msgspec.Struct) -> None:
+        if not self.gateways:
+            return
+        data = encode(msg)  # once, not once per gateway
         for gateway_id in self.gateways:
-            self._send(gateway_id, msg)
+            self.gateway_sock.send_multipart([gateway_id.encode(), data])
 
     def _send_deltas(self) -> None:
         if self.core is None:
