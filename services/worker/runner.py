@@ -154,8 +154,8 @@ class ModelRunner:
     def _pack(self, plan: StepPlan) -> PackedInputs:
         bs = self.block_size
         ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         decode_idx: list[int] = []
         decode_states: list[RequestState] = []
         prefills: list[PrefillSpan] = []
@@ -166,15 +166,19 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + num
             offset = len(ids)
-            ids.extend(state.token_ids[start:end])
-            pos = np.arange(start, end)
-            table = np.asarray(state.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
             if num == 1:
+                # Decodes dominate steps: plain ints, no per-request numpy arrays.
+                ids.append(state.token_ids[start])
+                positions.append(start)
+                slots.append(state.block_ids[start // bs] * bs + start % bs)
                 decode_idx.append(offset)
                 decode_states.append(state)
             else:
+                ids.extend(state.token_ids[start:end])
+                positions.extend(range(start, end))
+                pos = np.arange(start, end)
+                table = np.asarray(state.block_ids[: -(-end // bs)], dtype=np.int64)
+                slots.extend((table[pos // bs] * bs + pos % bs).tolist())
                 prefills.append(self._prefill_span(state, offset, start, end))
             if end == state.num_tokens:
                 sample_states.append(state)
@@ -182,14 +186,14 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             kv_caches=self.kv.caches,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             prefills=prefills,
         )
         if decode_states:
             self._decode_metadata(meta, decode_idx, decode_states)
         return PackedInputs(
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).unsqueeze(0).to(dev),
+            positions=torch.tensor([positions], dtype=torch.long, device=dev),
             meta=meta,
             sample_states=sample_states,
             sample_token_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
