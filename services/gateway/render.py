@@ -81,6 +81,12 @@ class Renderer:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _chunk_of(self, choice: dict[str, Any], usage: dict[str, Any] | None) -> dict[str, Any]:
+        out = {**self._envelope(self.chunk_object_name), "choices": [choice]}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object_name), "choices": [], "usage": usage}
 
@@ -109,10 +115,7 @@ class CompletionRenderer(Renderer):
         choice = {"index": ev.index, "text": ev.text,
                   "logprobs": self._logprobs_since(acc, start) if self.logprobs else None,
                   "finish_reason": ev.finish_reason}
-        out = {**self._envelope(self.chunk_object_name), "choices": [choice]}
-        if usage is not None:
-            out["usage"] = usage
-        return out
+        return self._chunk_of(choice, usage)
 
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
         choices = [{"index": i, "text": "".join(a.text),
@@ -144,10 +147,7 @@ class ChatRenderer(Renderer):
         choice = {"index": ev.index, "delta": delta,
                   "logprobs": {"content": acc.chat_logprobs[start:]} if self.logprobs else None,
                   "finish_reason": ev.finish_reason}
-        out = {**self._envelope(self.chunk_object_name), "choices": [choice]}
-        if usage is not None:
-            out["usage"] = usage
-        return out
+        return self._chunk_of(choice, usage)
 
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(a.text)},
