@@ -91,7 +91,10 @@ def check_model(name: str, limits: ServingLimits) -> None:
                        param="model", code="model_not_found")
 
 
-def _check_common(req: SamplingFields, tok: GatewayTokenizer, limits: ServingLimits) -> None:
+def _check_common(req: CompletionRequest | ChatCompletionRequest, tok: GatewayTokenizer,
+                  limits: ServingLimits) -> None:
+    """The checks completions and chat share, in the order both report them."""
+    check_model(req.model, limits)
     if req.n > limits.max_n:
         raise bad_request(f"n={req.n} is more than this server allows (max_n={limits.max_n})", "n")
     if req.logit_bias:
@@ -104,6 +107,8 @@ def _check_common(req: SamplingFields, tok: GatewayTokenizer, limits: ServingLim
                               "stop_token_ids")
     if req.seed is not None and req.seed + req.n - 1 > MAX_SEED:
         raise bad_request(f"seed must be at most {MAX_SEED - req.n + 1} with n={req.n}", "seed")
+    if req.echo:
+        raise bad_request("echo=true is not supported", "echo", code="unsupported")
 
 
 def _check_prompt_ids(ids: Sequence[int], tok: GatewayTokenizer, param: str) -> None:
@@ -186,10 +191,7 @@ def completion_prompts(req: CompletionRequest, tok: GatewayTokenizer) -> list[li
 
 
 def validate_completion(req: CompletionRequest, tok: GatewayTokenizer, limits: ServingLimits) -> GenerationSpec:
-    check_model(req.model, limits)
     _check_common(req, tok, limits)
-    if req.echo:
-        raise bad_request("echo=true is not supported", "echo", code="unsupported")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
@@ -219,10 +221,7 @@ def chat_prompt(req: ChatCompletionRequest, tok: GatewayTokenizer) -> list[int]:
 
 
 def validate_chat(req: ChatCompletionRequest, tok: GatewayTokenizer, limits: ServingLimits) -> GenerationSpec:
-    check_model(req.model, limits)
     _check_common(req, tok, limits)
-    if req.echo:
-        raise bad_request("echo=true is not supported", "echo", code="unsupported")
     if req.tools:
         raise bad_request("tools are not supported", "tools", code="unsupported")
     if req.response_format is not None and req.response_format.type != "text":
