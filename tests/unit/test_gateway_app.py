@@ -8,58 +8,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from services.gateway.app import build_app
-from services.gateway.tokenizer import GatewayTokenizer
-from shared.config import GatewayConfig
-from tests.unit.test_gateway_support import (
-    SCRIPT_TEXT,
-    FakeScheduler,
-    GatewayServer,
-    build_tiny_tokenizer,
-    wait_until,
-)
-
-
-class Env:
-    def __init__(self, tmp: Path) -> None:
-        folder = build_tiny_tokenizer(tmp / "tok")
-        self.tok = GatewayTokenizer(folder)
-        self.endpoint = f"ipc://{tmp}/gateway.sock"
-        self.script = self.tok.encode(SCRIPT_TEXT, add_special_tokens=False)
-        cfg = GatewayConfig(model=str(folder), served_model_name="tiny", scheduler_endpoint=self.endpoint,
-                            heartbeat_interval_s=0.2, scheduler_timeout_s=2.0)
-        self.app = build_app(cfg, self.tok)
-        self.server = GatewayServer(self.app)
-        self.http = httpx.Client(base_url=self.server.url, timeout=10)
-        self.fake: FakeScheduler | None = None
-
-    def start_fake(self) -> FakeScheduler:
-        self.fake = FakeScheduler(self.endpoint, self.script)
-        wait_until(lambda: self.http.get("/ready").status_code == 200, 5, "gateway ready")
-        return self.fake
-
-    def stop_fake(self) -> None:
-        if self.fake is not None:
-            self.fake.close()
-            self.fake = None
-
-    def text_of(self, tokens: list[int]) -> str:
-        return self.tok.decode(tokens)
+from tests.unit.test_gateway_support import FakeScheduler, running_env, wait_until
+from tests.unit.test_gateway_support import GatewayEnv as Env
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    e = Env(tmp_path_factory.mktemp("gw"))
-    with e.server:
-        yield e
-        e.stop_fake()
-    e.http.close()
+    yield from running_env(tmp_path_factory.mktemp("gw"))
 
 
 @pytest.fixture

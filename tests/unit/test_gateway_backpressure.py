@@ -24,19 +24,16 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.state import GatewayState, InflightLimiter, drain_retry_after_s
 from shared.config import GatewayConfig
 from shared.messages import EngineStats
-from tests.unit.test_gateway_app import COMPLETION, Env, sse_events
-from tests.unit.test_gateway_support import FakeScheduler, wait_until
+from tests.unit.test_gateway_app import COMPLETION, sse_events
+from tests.unit.test_gateway_support import FakeScheduler, running_env, wait_until
+from tests.unit.test_gateway_support import GatewayEnv as Env
 
 TIMING_KEYS = {"queue_time_s", "prefill_time_s", "decode_time_s", "ttft_s", "e2e_s", "num_preemptions"}
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    e = Env(tmp_path_factory.mktemp("gwbp"))
-    with e.server:
-        yield e
-        e.stop_fake()
-    e.http.close()
+    yield from running_env(tmp_path_factory.mktemp("gwbp"))
 
 
 @pytest.fixture

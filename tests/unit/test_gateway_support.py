@@ -7,6 +7,8 @@
   real zmq ROUTER in a thread, deterministic tokens, records every message, can
   refuse, hold, fail, go silent or die on demand).
 - ``GatewayServer``: the real gateway app under uvicorn on a free port, in a thread.
+- ``GatewayEnv`` / ``running_env(tmp)``: that server on the tiny tokenizer with an
+  HTTP client and a fake scheduler to start and stop, for module-scoped fixtures.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from services.gateway.app import build_app
 from services.gateway.fake_scheduler import FakeScheduler as _FakeScheduler
+from services.gateway.tokenizer import GatewayTokenizer
+from shared.config import GatewayConfig
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -102,3 +108,41 @@ def wait_until(cond: Callable[[], Any], timeout_s: float = 5.0, what: str = "con
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}")
+
+
+class GatewayEnv:
+    """The gateway app on a tiny tokenizer, live over HTTP, and the ipc endpoint its fake scheduler binds."""
+
+    def __init__(self, tmp: Path) -> None:
+        folder = build_tiny_tokenizer(tmp / "tok")
+        self.tok = GatewayTokenizer(folder)
+        self.endpoint = f"ipc://{tmp}/gateway.sock"
+        self.script = self.tok.encode(SCRIPT_TEXT, add_special_tokens=False)
+        cfg = GatewayConfig(model=str(folder), served_model_name="tiny", scheduler_endpoint=self.endpoint,
+                            heartbeat_interval_s=0.2, scheduler_timeout_s=2.0)
+        self.app = build_app(cfg, self.tok)
+        self.server = GatewayServer(self.app)
+        self.http = httpx.Client(base_url=self.server.url, timeout=10)
+        self.fake: FakeScheduler | None = None
+
+    def start_fake(self) -> FakeScheduler:
+        self.fake = FakeScheduler(self.endpoint, self.script)
+        wait_until(lambda: self.http.get("/ready").status_code == 200, 5, "gateway ready")
+        return self.fake
+
+    def stop_fake(self) -> None:
+        if self.fake is not None:
+            self.fake.close()
+            self.fake = None
+
+    def text_of(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens)
+
+
+def running_env(tmp: Path) -> Iterator[GatewayEnv]:
+    """A module fixture's body: the gateway served for the module, torn down after it."""
+    env = GatewayEnv(tmp)
+    with env.server:
+        yield env
+        env.stop_fake()
+    env.http.close()
