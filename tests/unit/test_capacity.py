@@ -8,6 +8,8 @@ Their published parameter counts are 6,738,415,616, 8,030,261,248 and
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from shared import capacity as cap
@@ -126,6 +128,23 @@ def test_activation_peak_scales_with_tokens_and_counts_fp32_logits() -> None:
     per_token = (3 * 576 + (9 + 2 * 3) * 64 + 3 * 1536) * 2
     assert small == per_token + 2 * 49152 * 4
     assert cap.activation_peak_bytes(SMOLLM2_135M, "bfloat16", 2048, 1) == 2048 * per_token + 2 * 49152 * 4
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
+    # resolve_dtype("auto", "cpu") follows this detection; the machine running the tests
+    # says nothing about it, so feed it cpuinfo files with and without the flags.
+    def cpuinfo(flags: str) -> str:
+        path = tmp_path / f"cpuinfo-{len(list(tmp_path.iterdir()))}"
+        path.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+        return str(path)
+
+    assert cap.cpu_has_native_bf16(cpuinfo("fpu sse avx2 avx512f avx512_bf16 avx512_vnni")) is True
+    assert cap.cpu_has_native_bf16(cpuinfo("fpu avx2 amx_tile amx_bf16 amx_int8")) is True
+    assert cap.cpu_has_native_bf16(cpuinfo("fpu sse avx2 avx512f avx512_fp16")) is False
+    assert cap.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    no_flags = tmp_path / "no-flags"
+    no_flags.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # an ARM cpuinfo has no "flags"
+    assert cap.cpu_has_native_bf16(str(no_flags)) is False
 
 
 def test_dtype_names() -> None:
