@@ -64,7 +64,7 @@ def test_sampling_follows_the_distribution() -> None:
     tokens, _ = run(logits, [SamplingParams(temperature=1.0)] * 2000)
     freq = [tokens.count(t) / 2000 for t in range(3)]
     assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.04)
-    assert sum(freq) == 1.0
+    assert set(tokens) <= {0, 1, 2}  # zero-probability tokens are never drawn
 
 
 def test_repetition_penalty_pushes_seen_tokens_down() -> None:
