@@ -52,24 +52,33 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, params, token_ids, output_counts)
-        greedy = [p.temperature <= 0.0 for p in params]
-        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i, g in enumerate(greedy) if g]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        if greedy_rows:
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
+        random_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        if not random_rows:  # the common all-greedy batch: no row gathering, no copies
+            tokens = logits.argmax(dim=-1)
+        elif not greedy_rows:
+            tokens = self._draw(logits, params, num_output_tokens)
+        else:
+            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
             idx = torch.tensor(greedy_rows, device=logits.device)
             tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)
-        if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
-            sub = [params[i] for i in random_rows]
-            probs = self._probs(logits.index_select(0, idx), sub)
-            noise = self._noise(probs.shape, sub, [num_output_tokens[i] for i in random_rows])
-            tokens[idx] = (probs / noise).argmax(dim=-1)
+            tokens[idx] = self._draw(
+                logits.index_select(0, idx), [params[i] for i in random_rows],
+                [num_output_tokens[i] for i in random_rows],
+            )
         token_list = tokens.tolist()
         logprobs: list[SampleLogprobs | None] = [None] * len(params)
         if raw_logprobs is not None:
             logprobs = self._logprobs(raw_logprobs, tokens, params)
         return token_list, logprobs
+
+    def _draw(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+    ) -> torch.Tensor:
+        probs = self._probs(logits, params)
+        noise = self._noise(probs.shape, params, num_output_tokens)
+        return (probs / noise).argmax(dim=-1)
 
     def _apply_penalties(
         self,
