@@ -57,32 +57,39 @@ T = TypeVar("T")
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     st = state_of(request)
-    received = time.time()
-    slot = _backpressure(st)
-    try:
-        size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(str(p)) for p in body.prompt)
-        spec = await _maybe_in_thread(size, lambda: validate_completion(body, st.tokenizer, st.limits()))
-        renderer = CompletionRenderer(st.tokenizer, f"cmpl-{uuid.uuid4().hex}", st.model_name,
-                                      spec.num_choices, spec.logprobs is not None)
-        return await _serve(st, request, spec, renderer, "completions", slot, received)
-    except BaseException:
-        slot.release()  # idempotent: a generation that started released it already
-        raise
+
+    def size() -> int:
+        return len(body.prompt) if isinstance(body.prompt, str) else sum(len(str(p)) for p in body.prompt)
+
+    return await _handle(st, request, size, lambda: validate_completion(body, st.tokenizer, st.limits()),
+                         CompletionRenderer, "cmpl", "completions")
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     st = state_of(request)
+    return await _handle(st, request, lambda: sum(len(m.text()) for m in body.messages),
+                         lambda: validate_chat(body, st.tokenizer, st.limits()), ChatRenderer, "chatcmpl", "chat")
+
+
+async def _handle(st: GatewayState, request: Request, size: Callable[[], int],
+                  validate: Callable[[], GenerationSpec],
+                  renderer_cls: type[Renderer], id_prefix: str, endpoint: str) -> Response:
+    """Both endpoints: backpressure first, then validate (in a thread when large) and serve.
+
+    ``size`` (characters to tokenize) and ``validate`` are callables so that nothing
+    runs before the receive time is taken and the cheap refusals are checked; the
+    in-flight slot is released here on any failure, in one place for both endpoints.
+    """
     received = time.time()
     slot = _backpressure(st)
     try:
-        size = sum(len(m.text()) for m in body.messages)
-        spec = await _maybe_in_thread(size, lambda: validate_chat(body, st.tokenizer, st.limits()))
-        renderer = ChatRenderer(st.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", st.model_name,
+        spec = await _maybe_in_thread(size(), validate)
+        renderer = renderer_cls(st.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}", st.model_name,
                                 spec.num_choices, spec.logprobs is not None)
-        return await _serve(st, request, spec, renderer, "chat", slot, received)
+        return await _serve(st, request, spec, renderer, endpoint, slot, received)
     except BaseException:
-        slot.release()
+        slot.release()  # idempotent: a generation that started released it already
         raise
 
 
