@@ -105,7 +105,10 @@ def test_fcfs_never_preempts_for_a_waiting_request() -> None:
     sched.add_request(make_request("a", 4, max_tokens=5, priority=9))
     drv.step()
     sched.add_request(make_request("b", 4, max_tokens=5, priority=0))
-    assert not drv.step().preempted_req_ids
+    plan = drv.step()
+    # "a" keeps its seat and decodes; "b" (a better priority number, ignored by fcfs) waits.
+    assert not plan.preempted_req_ids and plan.num_scheduled_tokens == {"a": 1}
+    assert sched.num_waiting == 1
 
 
 def test_high_priority_request_preempts_for_blocks() -> None:
