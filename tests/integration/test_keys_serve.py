@@ -167,6 +167,9 @@ def test_embedded_redis_crash_keeps_keys_and_auth(tiny_model_dir: Path, tmp_path
                     break
                 time.sleep(0.3)
             assert _redis_state(client, base) == "ok", "ferry serve did not bring Redis back"
+            # A new process, not the old one reported healthy: the kill must have taken effect.
+            new = _redis_child(serve)
+            assert new is not None and new.pid != old.pid, (old.pid, new)
             assert set(statuses) <= {401, 503}, statuses  # never served without a key
             assert _complete(client, base, model, None).status_code == 401
             assert _complete(client, base, model, secret).status_code == 200
