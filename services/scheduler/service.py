@@ -75,7 +75,6 @@ RETIRE_INTERVAL_S = 5.0  # how often a lingering dead worker is asked again to e
 @dataclass
 class StepInFlight:
     plan: StepPlan
-    started: float
     deadline: float
     results: dict[int, StepResult] = field(default_factory=dict)
 
@@ -399,8 +398,7 @@ class SchedulerService:
                 self.plan_sock.send(encode(plan))  # workers must still drop those requests
             self.core.update_from_result(plan, StepResult(step_id=plan.step_id, rank=0))
             return False
-        started = self.clock()
-        self.step = StepInFlight(plan, started, started + self.config.step_timeout_s)
+        self.step = StepInFlight(plan, self.clock() + self.config.step_timeout_s)
         self.plan_sock.send(encode(plan))
         result = self._wait_for_results()
         self.step = None
