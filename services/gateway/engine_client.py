@@ -207,10 +207,6 @@ class EngineClient:
         for rid in req_ids:
             self._streams.pop(rid, None)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # -- internals ---------------------------------------------------------------
 
     def _send(self, msg: msgspec.Struct) -> bool:

@@ -94,9 +94,6 @@ class LiveWindow:
 
     # -- reading --------------------------------------------------------------
 
-    def latest_engine(self) -> EngineSample | None:
-        return self._engine[-1] if self._engine else None
-
     def history(self, since: float | None = None) -> list[EngineSample]:
         """Engine samples, oldest first, optionally only those after ``since``."""
         if since is None:
