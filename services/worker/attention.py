@@ -59,6 +59,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    max_model_len: int = 0  # no sequence is longer; a sliding window at least this wide changes nothing
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -80,8 +81,13 @@ def paged_attention(
     meta: AttentionMetadata | None = kwargs.get("ferry_meta")
     if meta is None:
         raise RuntimeError("ferry_paged attention needs ferry_meta=AttentionMetadata in the forward kwargs")
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("sliding-window attention layers are not supported by ferry_paged yet")
+    window = kwargs.get("sliding_window")
+    if window is not None and not 0 < meta.max_model_len <= window:
+        # The runner caps max_model_len at the window, so every key is always inside it.
+        raise NotImplementedError(
+            f"a sliding window of {window} tokens narrower than max_model_len {meta.max_model_len} "
+            "is not supported by ferry_paged"
+        )
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     k_cache, v_cache = meta.kv_caches[layer_idx]
     num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]

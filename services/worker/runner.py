@@ -70,6 +70,13 @@ class ModelRunner:
         self.eos_token_ids = _eos_ids(loaded.config_dict, loaded.model.generation_config)
         model_limit = int(loaded.config_dict.get("max_position_embeddings") or 0) or 1 << 20
         self.max_model_len = min(config.max_model_len, model_limit) if config.max_model_len > 0 else model_limit
+        window = _sliding_window(loaded.config_dict)
+        if window and self.max_model_len > window:
+            # Within the window, sliding-window attention is plain causal attention, so
+            # capping the length makes such models (Mistral) exact without a windowed kernel.
+            log.warning("max_model_len %d capped at the model's sliding window of %d tokens",
+                        self.max_model_len, window)
+            self.max_model_len = window
         self.block_size = config.block_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         budget = self._kv_budget(loaded.config_dict)
@@ -102,7 +109,8 @@ class ModelRunner:
         scratch = KVCache.allocate(config_dict, blocks, self.block_size, self.dtype, self.config.device)
         ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device).unsqueeze(0)
-        meta = AttentionMetadata(scratch.caches, pos[0].clone(), prefills=[PrefillSpan(0, n, 0, None, None)])
+        meta = AttentionMetadata(scratch.caches, pos[0].clone(), prefills=[PrefillSpan(0, n, 0, None, None)],
+                                 max_model_len=self.max_model_len)
         with torch.inference_mode():
             hidden = self.body(input_ids=ids, position_ids=pos, use_cache=False, ferry_meta=meta).last_hidden_state
             self.lm_head(hidden[0, -min(n, self.config.max_num_seqs) :])
@@ -188,6 +196,7 @@ class ModelRunner:
             kv_caches=self.kv.caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             prefills=prefills,
+            max_model_len=self.max_model_len,
         )
         if decode_states:
             self._decode_metadata(meta, decode_idx, decode_states)
@@ -250,3 +259,12 @@ def _eos_ids(config_dict: dict, generation_config: object) -> list[int]:
             if int(t) not in ids:
                 ids.append(int(t))
     return ids
+
+
+def _sliding_window(config: dict[str, object]) -> int:
+    """The attention window the model's layers use (0: none). Qwen2-style configs carry
+    a ``sliding_window`` that only applies when ``use_sliding_window`` is set."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or config.get("use_sliding_window") is False:
+        return 0
+    return window
