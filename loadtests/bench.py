@@ -42,6 +42,7 @@ class BenchJob:
     max_concurrency: int | None = None
     stop_on_slo: bool = False
     cooldown_s: float = 1.0
+    stop_on_saturation: bool = False
 
     def plans(self) -> list[RunPlan]:
         if self.arrival.kind == "closed":
@@ -75,6 +76,8 @@ def run_config(name: str, job: BenchJob, settings: BenchSettings, log: Log) -> d
             f"p95 e2e {_ms(summary['e2e_p95_ms'])}, errors {summary['errors']}, cancelled {summary['cancelled']}"
         )
         point = plan.rate if plan.rate is not None else float(plan.concurrency or 0)
+        if summary.get("saturated"):
+            log(f"[{name}] {plan.name}: saturated ({'; '.join(summary['saturation_reasons'])})")
         if result["slo_violations"]:
             if job.stop_on_slo:
                 stopped_at, broken = point, result["slo_violations"]
@@ -82,6 +85,11 @@ def run_config(name: str, job: BenchJob, settings: BenchSettings, log: Log) -> d
                 break
         elif stopped_at is None:
             best = point
+        if summary.get("saturated") and job.stop_on_saturation:
+            # Past saturation a higher offered rate only measures the queue.
+            stopped_at, broken = point, ["saturated: " + "; ".join(summary["saturation_reasons"])]
+            log(f"[{name}] stopping the sweep at the first saturated {plan.name}")
+            break
     checked = job.stop_on_slo or any(v is not None for v in vars(settings.slo).values())
     sweep = {"checked": checked, "max_rate_meeting_slo": best, "stopped_at": stopped_at, "broken": broken,
              "axis": "concurrency" if job.arrival.kind == "closed" else "offered req/s"}
@@ -129,7 +137,7 @@ def load_or_generate(
 
 
 def server_info(base_url: str, api_key: str = "") -> dict[str, Any]:
-    """What the server says about itself: /v1/models and, where it exists, /version."""
+    """What the server says about itself: /v1/models and, where they exist, /version and /v1/config."""
     return asyncio.run(_server_info(base_url, api_key))
 
 
@@ -137,7 +145,7 @@ async def _server_info(base_url: str, api_key: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     info: dict[str, Any] = {}
     async with httpx.AsyncClient(trust_env=False, timeout=5.0) as client:
-        for path in ("/v1/models", "/version"):
+        for path in ("/v1/models", "/version", "/v1/config"):
             try:
                 response = await client.get(base_url.rstrip("/") + path, headers=headers)
                 if response.status_code == 200:

@@ -77,6 +77,9 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-e2e-p95-ms", type=float, help="run target: p95 end-to-end latency")
     s.add_argument("--slo-error-rate", type=float, help="run target: share of requests that fail")
     s.add_argument("--slo-queue-p95-ms", type=float, help="run target: p95 server queue time")
+    s.add_argument("--saturation-margin", type=float, default=0.1,
+                   help="a run is saturated when it completes less than (1 - margin) of the offered rate "
+                        "(see docs/loadtests.md) (default: %(default)s)")
     s.add_argument("--price-per-gpu-hour", type=float, help="for the cost per accepted answer")
     s.add_argument("--num-gpus", type=int, default=1)
     m = p.add_argument_group("server metrics")
@@ -101,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--start", type=float, default=0.25)
     sweep.add_argument("--factor", type=float, default=2.0)
     sweep.add_argument("--max-rate", type=float, default=64.0)
+    sweep.add_argument("--no-stop-on-saturation", action="store_true",
+                       help="keep sweeping past the first saturated rate (default: stop there)")
     exp = sub.add_parser("experiment", help="baseline and one-knob variants from a TOML file")
     exp.add_argument("file", type=Path)
     exp.add_argument("--out", type=Path, default=None, help="output folder (default: results/bench/<file stem>)")
@@ -199,6 +204,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
     from loadtests.client import ClientConfig
     from loadtests.metrics import CostModel, GoodputSLO, RunSLO
     from loadtests.runner import BenchSettings
+    from loadtests.saturation import SaturationRule
     from loadtests.scrape import MetricNames
 
     return BenchSettings(
@@ -211,6 +217,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
         cost=CostModel(args.price_per_gpu_hour, args.num_gpus),
         quiet=args.quiet,
         records_dir=args.out / "requests",
+        saturation=SaturationRule(margin=args.saturation_margin),
     )
 
 
@@ -237,7 +244,8 @@ def _bench(args: argparse.Namespace, command: list[str]) -> int:
     model = args.model or discover_model_sync(args.base_url, args.api_key)
     settings = _settings(args, model)
     job = BenchJob(trace, args.duration, arrival, tuple(rates), tuple(args.concurrency),
-                   args.max_concurrency or None, stop_on_slo=args.command == "sweep", cooldown_s=args.cooldown)
+                   args.max_concurrency or None, stop_on_slo=args.command == "sweep", cooldown_s=args.cooldown,
+                   stop_on_saturation=args.command == "sweep" and not args.no_stop_on_saturation)
     meta = bench_meta(command, trace, {
         "title": f"ferry bench {args.command}: {scenario or args.trace}",
         "base_url": args.base_url, "model": model, "server": server_info(args.base_url, args.api_key),

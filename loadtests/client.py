@@ -100,6 +100,21 @@ def classify_status(status: int) -> str:
     return "other"
 
 
+# Error codes servers put in an error event once a stream has started (HTTP 200 is already
+# sent): they mean the same as the status the request would have got before the stream.
+_CODE_KINDS = {
+    "queue_timeout": "503", "scheduler_unavailable": "503", "engine_unavailable": "503",
+    "service_unavailable": "503", "aborted": "503",
+    "queue_full": "429", "rate_limit_exceeded": "429", "too_many_requests": "429",
+    "timeout": "timeout", "request_timeout": "timeout",
+}
+
+
+def classify_code(code: object) -> str:
+    """The kind of an error event's string code (``queue_timeout`` counts with the 503s)."""
+    return _CODE_KINDS.get(str(code).lower(), "other") if code is not None else "other"
+
+
 def _chunk_text(chunk: dict[str, Any]) -> str:
     choices = chunk.get("choices") or []
     if not choices:
@@ -141,7 +156,7 @@ class _StreamState:
         if isinstance(chunk.get("error"), dict):
             err = chunk["error"]
             code = err.get("code")
-            record.error_kind = classify_status(code) if isinstance(code, int) else "other"
+            record.error_kind = classify_status(code) if isinstance(code, int) else classify_code(code)
             record.error = str(err.get("message") or err)[:500]
             return True
         if _chunk_text(chunk):

@@ -70,6 +70,8 @@ class Experiment:
     source: Path
     description: str = ""
     scenario_overrides: dict[str, object] = field(default_factory=dict)
+    baseline_repeats: int = 2
+    noise_floor: float = 0.05
 
     @property
     def rates(self) -> list[float]:
@@ -78,6 +80,19 @@ class Experiment:
     @property
     def decision_rate(self) -> float:
         return float(self.workload.get("decision_rate") or max(self.rates))
+
+    def run_order(self) -> list[tuple[str, Variant | None]]:
+        """The configurations in the order they run: the baseline's repeats spread evenly among
+        the variants (A B C A; A B A C A with three repeats), so a drift of the machine over the
+        experiment shows up in the baseline's spread instead of in one variant's difference."""
+        chunks: list[list[Variant]] = [[] for _ in range(self.baseline_repeats - 1)]
+        for i, variant in enumerate(self.variants):
+            chunks[i * len(chunks) // max(len(self.variants), 1)].append(variant)
+        order: list[tuple[str, Variant | None]] = [("baseline", None)]
+        for repeat, chunk in enumerate(chunks, start=2):
+            order += [(v.name, v) for v in chunk]
+            order.append((f"baseline (repeat {repeat})", None))
+        return order
 
     @property
     def arrival(self) -> ArrivalSpec:
@@ -96,14 +111,16 @@ def load_experiment(path: Path) -> Experiment:
         raise ExperimentError(f"{path}: {exc}") from exc
 
 
-TOP_KEYS = {"title", "description", "server", "baseline", "workload", "slo", "goodput", "cost", "variants"}
+TOP_KEYS = {"title", "description", "server", "baseline", "workload", "slo", "goodput", "cost", "variants", "noise"}
+NOISE_KEYS = {"baseline_repeats", "floor"}
 WORKLOAD_KEYS = {"scenario", "trace", "seed", "num_requests", "rates", "duration_s", "arrival", "burstiness",
                  "max_concurrency", "tokenizer", "request_timeout_s", "stop_on_slo", "cooldown_s", "decision_rate",
                  "model", "ignore_eos", "warmup_requests", "scenario_options"}
 
 
 def _parse(raw: dict[str, Any], path: Path) -> Experiment:
-    for where, keys, allowed in (("the file", raw, TOP_KEYS), ("[workload]", raw.get("workload", {}), WORKLOAD_KEYS)):
+    for where, keys, allowed in (("the file", raw, TOP_KEYS), ("[workload]", raw.get("workload", {}), WORKLOAD_KEYS),
+                                 ("[noise]", raw.get("noise", {}), NOISE_KEYS)):
         unknown = set(keys) - allowed
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -138,6 +155,13 @@ def _parse(raw: dict[str, Any], path: Path) -> Experiment:
                                 str(item["pass"])))
     if len({v.name for v in variants}) != len(variants) or any(v.name == "baseline" for v in variants):
         raise ValueError("variant names must be unique and not 'baseline'")
+    noise = dict(raw.get("noise", {}))
+    repeats = int(noise.get("baseline_repeats", 2))
+    if repeats < 2:
+        raise ValueError("[noise] baseline_repeats must be at least 2: one baseline run cannot show its own noise")
+    floor = float(noise.get("floor", 0.05))
+    if not 0.0 <= floor < 1.0:
+        raise ValueError(f"[noise] floor must be in [0, 1), not {floor}")
     overrides = workload.pop("scenario_options", {})
     items = [f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in overrides.items()]
     return Experiment(
@@ -152,6 +176,8 @@ def _parse(raw: dict[str, Any], path: Path) -> Experiment:
         cost=CostModel(**raw.get("cost", {})),
         source=path,
         scenario_overrides=parse_overrides(items),
+        baseline_repeats=repeats,
+        noise_floor=floor,
     )
 
 
@@ -207,54 +233,3 @@ def evaluate(text: str, variant: dict[str, Any], baseline: dict[str, Any]) -> bo
         raise ValueError(f"pass condition {text!r}: unsupported expression")
 
     return bool(value(check_condition(text)))
-
-
-def measures(config_result: dict[str, Any], decision_rate: float) -> dict[str, Any]:
-    """The names a pass condition can use, for one configuration."""
-    runs = config_result["runs"]
-    at_rate = [r for r in runs if r.get("rate") is not None and abs(r["rate"] - decision_rate) < 1e-9]
-    summary = dict(at_rate[0]["summary"]) if at_rate else {}
-    summary["max_ok_rate"] = config_result["sweep"].get("max_rate_meeting_slo") or 0.0
-    summary["slo_met"] = 1.0 if at_rate and not at_rate[0]["slo_violations"] else 0.0
-    return summary
-
-
-OUTCOME_KEYS = ("completed_rps", "goodput_rps", "ttft_p95_ms", "queue_p95_ms", "queue_p95_below_ms", "e2e_p95_ms",
-                "itl_p95_ms", "error_rate", "preemptions", "peak_memory_bytes", "cost_per_accepted", "max_ok_rate")
-
-
-def condition_names(text: str) -> list[str]:
-    """The measures a pass condition reads, in order of appearance."""
-    names: list[str] = []
-    for node in ast.walk(check_condition(text)):
-        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-        if name is not None and name != "baseline" and name not in names:
-            names.append(name)
-    return names
-
-
-def decide(experiment: Experiment, variant: Variant, baseline_result: dict[str, Any],
-           variant_result: dict[str, Any], input_set: dict[str, Any]) -> dict[str, Any]:
-    """One decision record: hypothesis, changed parameter, input set, pass condition, outcome, verdict."""
-    base = measures(baseline_result, experiment.decision_rate)
-    mine = measures(variant_result, experiment.decision_rate)
-    try:
-        verdict = "pass" if evaluate(variant.pass_condition, mine, base) else "fail"
-    except Unavailable as exc:
-        verdict = f"inconclusive ({exc} is n/a on this server)"
-    before = experiment.baseline.get(variant.knob, "server default")
-    keys = list(OUTCOME_KEYS) + [k for k in condition_names(variant.pass_condition) if k not in OUTCOME_KEYS]
-    return {
-        "variant": variant.name,
-        "hypothesis": variant.hypothesis,
-        "changed_parameter": f"{variant.knob}: {before} -> {variant.value}",
-        "input_set": input_set,
-        "pass_condition": variant.pass_condition,
-        "measured_outcome": {
-            "decision_rate": experiment.decision_rate,
-            "variant": {k: mine.get(k) for k in keys},
-            "baseline": {k: base.get(k) for k in keys},
-        },
-        "verdict": verdict,
-    }
-

@@ -14,7 +14,9 @@ from typing import Any
 
 from loadtests.bench import BenchJob, bench_meta, load_or_generate, requests_needed, run_config, server_info
 from loadtests.client import ClientConfig, discover_model_sync
-from loadtests.experiment import Experiment, decide
+from loadtests.decision import decide
+from loadtests.experiment import Experiment
+from loadtests.memory_view import memory_view
 from loadtests.report import slug, write_results
 from loadtests.runner import BenchSettings, warmup
 from loadtests.server import ManagedServer, ServerStartError
@@ -36,17 +38,24 @@ def run_experiment(experiment: Experiment, out_dir: Path, quiet: bool, command: 
             "title": experiment.title, "description": experiment.description, "experiment": str(experiment.source),
             "arrival": experiment.arrival.kind, "slo": vars(experiment.slo), "goodput": vars(experiment.goodput),
             "cost": vars(experiment.cost), "baseline": experiment.baseline,
+            "noise": {"baseline_repeats": experiment.baseline_repeats, "floor": experiment.noise_floor},
         }),
         "configs": [],
         "decisions": [],
     }
-    configs = [("baseline", dict(experiment.baseline))]
-    configs += [(v.name, {**experiment.baseline, v.knob: v.value}) for v in experiment.variants]
-    for name, knobs in configs:
-        results["configs"].append(_run_one(experiment, name, knobs, trace, job, out_dir, quiet, log))
+    # The baseline's repeats are interleaved with the variants (A B C A) so its spread measures
+    # the machine's noise over the experiment; loadtests/noise.py turns that into verdicts.
+    for name, variant in experiment.run_order():
+        knobs = dict(experiment.baseline) if variant is None else {**experiment.baseline, variant.knob: variant.value}
+        entry = _run_one(experiment, name, knobs, trace, job, out_dir, quiet, log)
+        entry["memory"] = memory_view(entry, experiment.server.kind, experiment.server.model,
+                                      experiment.server.args, trace)
+        results["configs"].append(entry)
         write_results(results, out_dir)  # partial results survive a later failure
-    baseline = results["configs"][0]
-    for variant, entry in zip(experiment.variants, results["configs"][1:], strict=True):
+    baselines = [c for c in results["configs"] if c["name"].startswith("baseline") and not c.get("error")]
+    by_name = {c["name"]: c for c in results["configs"]}
+    for variant in experiment.variants:
+        entry = by_name[variant.name]
         if entry.get("error"):
             results["decisions"].append({
                 "variant": variant.name, "hypothesis": variant.hypothesis,
@@ -54,8 +63,10 @@ def run_experiment(experiment: Experiment, out_dir: Path, quiet: bool, command: 
                 "pass_condition": variant.pass_condition, "measured_outcome": entry["error"],
                 "verdict": "inconclusive (the server did not start)",
             })
-        else:
-            results["decisions"].append(decide(experiment, variant, baseline, entry, input_set))
+            continue
+        record = decide(experiment, variant, baselines, entry, input_set)
+        record["memory"] = {c["name"]: c["memory"] for c in (*baselines, entry)}
+        results["decisions"].append(record)
     write_results(results, out_dir)
     return results
 

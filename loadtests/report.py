@@ -21,6 +21,8 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import ScalarFormatter  # noqa: E402
 
+from loadtests.memory_view import render as render_memory  # noqa: E402
+
 RESULTS_VERSION = 1
 
 MAIN_COLUMNS: list[tuple[str, str, str]] = [
@@ -104,15 +106,16 @@ def render_board(results: dict[str, Any]) -> str:
     runs = all_runs(results)
     lines += ["", "## Evaluation board", ""]
     lines += _table(
-        ["run", *[c[0] for c in MAIN_COLUMNS]],
-        [[_run_label(c, r), *[cell(r["summary"], k, p) for _, k, p in MAIN_COLUMNS]] for c, r in runs],
+        ["run", *[c[0] for c in MAIN_COLUMNS], "saturated"],
+        [[_run_label(c, r), *[cell(r["summary"], k, p) for _, k, p in MAIN_COLUMNS], saturation_cell(r)]
+         for c, r in runs],
     )
     lines += ["", "## Other measures", ""]
     lines += _table(
         ["run", *[c[0] for c in OTHER_COLUMNS], "SLO"],
         [
             [_run_label(c, r), *[cell(r["summary"], k, p) for _, k, p in OTHER_COLUMNS],
-             "met" if not r["slo_violations"] else "missed: " + "; ".join(r["slo_violations"])]
+             slo_cell(r)]
             for c, r in runs
         ],
     )
@@ -134,6 +137,25 @@ def render_board(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def slo_cell(run: dict[str, Any]) -> str:
+    """'met' only when run-level targets were given and every one held: a check without
+    targets cannot fail, so it never says 'met'."""
+    violations = run.get("slo_violations") or []
+    if not run.get("slo_targets", True):
+        return "no targets" + (" (" + "; ".join(violations) + ")" if violations else "")
+    return "met" if not violations else "missed: " + "; ".join(violations)
+
+
+def saturation_cell(run: dict[str, Any]) -> str:
+    summary = run["summary"]
+    if "saturated" not in summary:
+        return "n/a"
+    if summary["saturated"]:
+        return "**yes**: " + "; ".join(summary.get("saturation_reasons") or [])
+    ratio = summary.get("completion_ratio")
+    return "no" + (f" ({ratio:.0%} completed)" if ratio is not None else "")
+
+
 def _run_label(config: str, run: dict[str, Any]) -> str:
     return run["name"] if config in ("", "run") else f"{config} {run['name']}"
 
@@ -151,21 +173,47 @@ def render_decision(decision: dict[str, Any]) -> str:
         lines.append(f"- **{label}**: {text}")
     lines.append("- **measured outcome**: " + _outcome(decision.get("measured_outcome")))
     lines.append(f"- **verdict**: {decision.get('verdict')}")
+    if decision.get("noise_rule"):
+        lines.append(f"- **noise rule**: {decision['noise_rule']} (docs/loadtests.md, \"Noise-aware decisions\"); "
+                     f"the condition on the baseline's mean alone: {decision.get('condition_on_means')}")
+    if decision.get("to_settle"):
+        lines.append(f"- **to settle it**: {decision['to_settle']}")
+    if decision.get("memory"):
+        lines += ["- **memory** (measured, with `ferry plan`'s prediction in brackets):", ""]
+        lines += ["  " + line for line in render_memory(decision["memory"])]
     return "\n".join(lines)
 
 
 def _outcome(outcome: Any) -> str:
-    """Variant against baseline, one measure a row (a plain string when there was nothing to measure)."""
+    """Variant against baseline, one measure a row (a plain string when there was nothing to measure).
+    With baseline repeats: every repeat, the spread used as noise, and the difference beside it."""
     if not isinstance(outcome, dict) or "variant" not in outcome:
         return str(outcome)
     mine, base = outcome["variant"], outcome["baseline"]
-    rows = [f"at {fmt(outcome.get('decision_rate'), '{:g}')} req/s", "", "  | measure | baseline | variant |",
-            "  |---|---|---|"]
+    runs, spread = outcome.get("baseline_runs"), outcome.get("spread")
+    diff, call = outcome.get("difference") or {}, outcome.get("call") or {}
+    rows = [f"at {fmt(outcome.get('decision_rate'), '{:g}')} req/s", ""]
+    if runs is None:
+        rows += ["  | measure | baseline | variant |", "  |---|---|---|"]
+    else:
+        rows += ["  | measure | baseline runs | baseline mean | variant | difference | spread (noise) | call |",
+                 "  |---|---|---|---|---|---|---|"]
     for key in mine:
         if key.endswith("_below_ms"):
             continue
-        rows.append(f"  | {key} | {_num(base, key)} | {_num(mine, key)} |")
+        if runs is None:
+            rows.append(f"  | {key} | {_num(base, key)} | {_num(mine, key)} |")
+            continue
+        repeats = ", ".join(_num({key: v}, key) for v in (runs.get(key) or []))
+        rows.append(f"  | {key} | {repeats or 'n/a'} | {_num(base, key)} | {_num(mine, key)} | "
+                    f"{_signed(diff.get(key))} | {_num(spread or {}, key)} | {call.get(key, 'n/a')} |")
     return "\n".join(rows)
+
+
+def _signed(value: Any) -> str:
+    if not isinstance(value, int | float):
+        return "n/a"
+    return f"{value:+,.0f}" if abs(value) >= 1000 else f"{value:+.4g}"
 
 
 def _num(values: dict[str, Any], key: str) -> str:

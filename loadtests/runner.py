@@ -24,6 +24,8 @@ from loadtests.arrivals import ArrivalSpec, send_offsets
 from loadtests.client import ClientConfig, RequestRecord, send_request
 from loadtests.metrics import CostModel, GoodputSLO, RunSLO, slo_violations, summarize
 from loadtests.progress import Progress
+from loadtests.saturation import SaturationRule
+from loadtests.saturation import judge as judge_saturation
 from loadtests.scrape import MetricNames, MetricsScraper, server_deltas
 from loadtests.trace import Trace, TraceRequest
 
@@ -68,6 +70,7 @@ class BenchSettings:
     quiet: bool = False
     records_dir: Path | None = None
     """Where per-request records are written as JSONL (None: not written)."""
+    saturation: SaturationRule = field(default_factory=SaturationRule)
 
 
 def run_once(trace: Trace, plan: RunPlan, settings: BenchSettings) -> dict[str, Any]:
@@ -94,7 +97,7 @@ async def run_once_async(trace: Trace, plan: RunPlan, settings: BenchSettings) -
         series = await sampler
     async with httpx.AsyncClient(trust_env=False) as probe:
         after = await scraper.scrape(probe)
-    samples = series.to_dict() | {"peak_memory_bytes": series.peak_memory(),
+    samples = series.to_dict() | series.peak_kv() | {"peak_memory_bytes": series.peak_memory(),
                                   "client_t_s": in_flight.t_s, "client_in_flight": in_flight.counts}
     deltas = server_deltas(before, after, settings.metric_names)
     return build_result(plan, settings, records, duration, deltas, samples, after is not None)
@@ -116,6 +119,7 @@ def build_result(
     if summary["offered_rps"] is None:
         summary["offered_rps"] = summary["sent_rps"]  # closed loop: the achieved rate is the offer
     summary.update(_server_columns(summary, server, series))
+    summary.update(judge_saturation(summary, series, plan.duration_s, settings.saturation))
     groups = sorted({r.group for r in records})
     by_group = {
         g: summarize([r for r in records if r.group == g], duration, settings.goodput, settings.cost)
@@ -136,6 +140,7 @@ def build_result(
         "server_metrics": server_metrics,
         "series": series,
         "slo_violations": slo_violations(summary, settings.slo),
+        "slo_targets": any(v is not None for v in vars(settings.slo).values()),
         "error_examples": sorted({f"{r.error_kind}: {r.error}" for r in records if r.status == "error"})[:5],
     }
 
@@ -160,6 +165,8 @@ def _server_columns(summary: dict[str, Any], server: dict[str, Any], series: dic
         out.update({f"queue_{q}_ms": None for q in ("p50", "p95", "p99", "mean")})
     out["preemptions"] = server.get("preemptions")
     out["peak_memory_bytes"] = series.get("peak_memory_bytes")
+    for key in ("peak_kv_usage", "peak_kv_blocks_used", "kv_blocks_total"):
+        out[key] = series.get(key)
     return out
 
 

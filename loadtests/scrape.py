@@ -37,6 +37,9 @@ class MetricNames:
         "vllm:process_resident_memory_bytes",
         "process_resident_memory_bytes",
     )
+    kv_usage: tuple[str, ...] = ("ferry:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    kv_blocks: tuple[str, ...] = ("ferry:num_kv_blocks",)
+    kv_blocks_free: tuple[str, ...] = ("ferry:num_kv_blocks_free",)
 
     @classmethod
     def with_overrides(cls, items: list[str]) -> MetricNames:
@@ -136,10 +139,24 @@ class ServerSeries:
     running: list[float | None] = field(default_factory=list)
     waiting: list[float | None] = field(default_factory=list)
     memory_bytes: list[float | None] = field(default_factory=list)
+    kv_usage: list[float | None] = field(default_factory=list)
+    kv_blocks: list[float | None] = field(default_factory=list)
+    kv_blocks_free: list[float | None] = field(default_factory=list)
 
     def peak_memory(self) -> float | None:
         values = [v for v in self.memory_bytes if v is not None]
         return max(values) if values else None
+
+    def peak_kv(self) -> dict[str, float | None]:
+        """The highest KV usage seen, as a fraction and (where the server says how many blocks it
+        has and how many are free) as blocks in use."""
+        usage = [v for v in self.kv_usage if v is not None]
+        used = [t - f for t, f in zip(self.kv_blocks, self.kv_blocks_free, strict=False)
+                if t is not None and f is not None]
+        totals = [t for t in self.kv_blocks if t is not None]
+        return {"peak_kv_usage": max(usage) if usage else None,
+                "peak_kv_blocks_used": max(used) if used else None,
+                "kv_blocks_total": max(totals) if totals else None}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +164,7 @@ class ServerSeries:
             "running": self.running,
             "waiting": self.waiting,
             "memory_bytes": self.memory_bytes,
+            "kv_usage": self.kv_usage,
         }
 
 
@@ -183,6 +201,9 @@ class MetricsScraper:
                     (series.running, self.names.running),
                     (series.waiting, self.names.waiting),
                     (series.memory_bytes, self.names.memory),
+                    (series.kv_usage, self.names.kv_usage),
+                    (series.kv_blocks, self.names.kv_blocks),
+                    (series.kv_blocks_free, self.names.kv_blocks_free),
                 ):
                     target.append(None if samples is None else scalar_sum(samples, names))
                 try:

@@ -100,6 +100,15 @@ def test_error_event_inside_the_stream() -> None:
     assert record.status == "error" and record.error_kind == "503" and record.ttft_s is not None
 
 
+@pytest.mark.parametrize(("code", "kind"), [("queue_timeout", "503"), ("queue_full", "429"), ("engine_error", "other")])
+def test_error_event_with_ferrys_string_code(code: str, kind: str) -> None:
+    # ferry's gateway sends its error code as a string once the stream's 200 is out: a queue timeout
+    # after the headers is still a queue timeout (a 503), not "other".
+    parts = sse(delta("a"), {"error": {"message": "the request waited too long", "type": "x", "code": code}})
+    record = run(CHAT, lambda r: httpx.Response(200, content=b"".join(parts)))
+    assert record.status == "error" and record.error_kind == kind
+
+
 def test_stream_that_ends_early_is_an_error() -> None:
     record = run(CHAT, lambda r: httpx.Response(200, content=b"".join(sse(delta("a")))))
     assert record.status == "error" and record.error_kind == "other" and "ended" in (record.error or "")

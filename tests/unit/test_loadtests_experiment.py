@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from loadtests.decision import condition_names, decide
 from loadtests.experiment import (
     ExperimentError,
     Unavailable,
     check_condition,
-    condition_names,
-    decide,
     evaluate,
     load_experiment,
 )
@@ -116,18 +115,46 @@ def _config(name: str, ttft: float | None, ok_rate: float | None) -> dict:
     return {"name": name, "runs": runs, "sweep": {"max_rate_meeting_slo": ok_rate}}
 
 
-def test_decision_records(tmp_path: Path) -> None:
+def test_decision_records_read_the_verdict_through_the_noise(tmp_path: Path) -> None:
     experiment = load_experiment(write(tmp_path, MINIMAL))
     variant = experiment.variants[0]
     inputs = {"trace_sha256": "abc"}
-    record = decide(experiment, variant, _config("baseline", 100.0, 2.0), _config("v", 90.0, 2.0), inputs)
-    assert record["verdict"] == "pass"
+    # Two baseline runs: 100 and 104 ms, mean 102; spread = max(4, 0.05 x 102 = 5.1) = 5.1.
+    baselines = [_config("baseline", 100.0, 2.0), _config("baseline (repeat 2)", 104.0, 2.0)]
+    record = decide(experiment, variant, baselines, _config("v", 90.0, 2.0), inputs)
+    assert record["verdict"] == "better"  # 90 is 12 below the mean, outside the 5.1 spread
     assert record["changed_parameter"] == "max_num_seqs: 8 -> 4"
     assert record["input_set"] == inputs and record["hypothesis"] == "h"
-    assert record["measured_outcome"]["variant"]["ttft_p95_ms"] == 90.0
-    assert record["measured_outcome"]["baseline"]["max_ok_rate"] == 2.0
-    assert "slo_met" not in record["measured_outcome"]["variant"]
-    worse = decide(experiment, variant, _config("baseline", 100.0, 2.0), _config("v", 120.0, 1.0), inputs)
-    assert worse["verdict"] == "fail"
-    unknown = decide(experiment, variant, _config("baseline", None, 2.0), _config("v", 120.0, 1.0), inputs)
+    outcome = record["measured_outcome"]
+    assert outcome["variant"]["ttft_p95_ms"] == 90.0
+    assert outcome["baseline"]["ttft_p95_ms"] == pytest.approx(102.0)
+    assert outcome["baseline_runs"]["ttft_p95_ms"] == [100.0, 104.0]
+    assert outcome["spread"]["ttft_p95_ms"] == pytest.approx(5.1)
+    assert outcome["difference"]["ttft_p95_ms"] == pytest.approx(-12.0)
+    assert outcome["call"]["ttft_p95_ms"] == "better"
+    assert outcome["baseline"]["max_ok_rate"] == 2.0
+    assert "slo_met" not in outcome["variant"]
+    worse = decide(experiment, variant, baselines, _config("v", 120.0, 1.0), inputs)
+    assert worse["verdict"] == "worse" and worse["measured_outcome"]["call"]["ttft_p95_ms"] == "worse"
+    # 99 ms: better on the means (99 < 102) but inside the noise, so no decision, and the record says how to settle.
+    close = decide(experiment, variant, baselines, _config("v", 99.0, 2.0), inputs)
+    assert close["verdict"] == "no decision: within noise"
+    assert close["condition_on_means"] == "pass"
+    assert "ttft_p95_ms moved -3" in close["to_settle"] and "spread of 5.1" in close["to_settle"]
+    unknown = decide(experiment, variant, [_config("baseline", None, 2.0)] * 2, _config("v", 120.0, 1.0), inputs)
     assert unknown["verdict"].startswith("inconclusive")
+
+
+def test_baseline_repeats_interleave_with_the_variants(tmp_path: Path) -> None:
+    two = MINIMAL + MINIMAL[MINIMAL.index("[[variants]]"):].replace('name = "v"', 'name = "w"').replace(
+        "value = 4", "value = 2")
+    experiment = load_experiment(write(tmp_path, two))
+    assert [name for name, _ in experiment.run_order()] == ["baseline", "v", "w", "baseline (repeat 2)"]
+    three = load_experiment(write(tmp_path, two + "\n[noise]\nbaseline_repeats = 3\nfloor = 0.1\n"))
+    assert [name for name, _ in three.run_order()] == [
+        "baseline", "v", "baseline (repeat 2)", "w", "baseline (repeat 3)"]
+    assert three.noise_floor == 0.1
+    with pytest.raises(ExperimentError, match="at least 2"):
+        load_experiment(write(tmp_path, MINIMAL + "\n[noise]\nbaseline_repeats = 1\n"))
+    with pytest.raises(ExperimentError, match="floor"):
+        load_experiment(write(tmp_path, MINIMAL + "\n[noise]\nfloor = 1.5\n"))

@@ -56,6 +56,28 @@ def test_board_has_the_methods_columns_and_na() -> None:
     assert "| 512 |" in board  # peak server MiB
 
 
+def test_a_board_without_targets_never_says_met() -> None:
+    no_targets = {**RESULTS, "configs": [{"name": "run", "sweep": {}, "runs": [
+        {**run(1.0), "slo_targets": False},
+        {**run(2.0), "slo_targets": False, "slo_violations": ["no request completed"]},
+    ]}]}
+    board = render_board(no_targets)
+    assert "met" not in board.replace("no targets", "")
+    assert board.count("| no targets |") == 1 and "no targets (no request completed)" in board
+
+
+def test_saturated_runs_are_marked_on_the_board() -> None:
+    results = {**RESULTS, "configs": [{"name": "run", "sweep": {}, "runs": [
+        run(1.0, saturated=False, saturation_reasons=[], completion_ratio=0.98),
+        run(4.0, saturated=True, saturation_reasons=["completed 61% of the offered rate (margin 10%)"],
+            completion_ratio=0.61),
+    ]}]}
+    board = render_board(results)
+    assert "| preemptions | saturated |" in board
+    assert "| no (98% completed) |" in board
+    assert "| **yes**: completed 61% of the offered rate (margin 10%) |" in board
+
+
 def test_files_written(tmp_path: Path) -> None:
     decisions = [{"variant": "v1", "hypothesis": "h", "changed_parameter": "k: 1 -> 2", "input_set": {"a": 1},
                   "pass_condition": "x < 1", "measured_outcome": {"x": 0.5}, "verdict": "pass"}]
@@ -99,3 +121,26 @@ def test_plots_survive_a_run_with_nothing(tmp_path: Path) -> None:
     write_results(empty, tmp_path)
     assert "| 1rps | 1 | n/a | n/a | n/a | n/a | n/a | n/a |" in (tmp_path / "board.md").read_text()
     assert (tmp_path / "timeline-1rps.png").stat().st_size > 0
+
+
+def test_decision_record_shows_repeats_spread_and_memory(tmp_path: Path) -> None:
+    outcome = {"decision_rate": 1.0,
+               "variant": {"ttft_p95_ms": 900.0}, "baseline": {"ttft_p95_ms": 1075.0},
+               "baseline_runs": {"ttft_p95_ms": [1000.0, 1150.0]}, "spread": {"ttft_p95_ms": 150.0},
+               "difference": {"ttft_p95_ms": -175.0}, "call": {"ttft_p95_ms": "better"}}
+    memory = {"baseline": {"measured": {"weight_bytes": 100 * 2**20, "kv_blocks_total": 1000,
+                                        "peak_kv_blocks_used": 250, "peak_kv_usage": 0.25, "preemptions": 0,
+                                        "peak_memory_bytes": 900 * 2**20},
+                           "predicted": {"weight_bytes": 101 * 2**20, "kv_blocks": 1000,
+                                         "max_concurrency_at_typical": 40, "typical_len": 400,
+                                         "command": "ferry plan --model m --devices cpu:1"}}}
+    decision = {"variant": "v", "hypothesis": "h", "changed_parameter": "k: 1 -> 2", "input_set": {},
+                "pass_condition": "ttft_p95_ms < baseline.ttft_p95_ms", "measured_outcome": outcome,
+                "verdict": "better", "noise_rule": "2 baseline runs; spread = max(range, 0.05 x mean)",
+                "condition_on_means": "pass", "memory": memory}
+    write_results({**RESULTS, "decisions": [decision]}, tmp_path)
+    record = (tmp_path / "decision-v.md").read_text()
+    assert "| ttft_p95_ms | 1,000, 1,150 | 1,075 | 900 | -175 | 150 | better |" in record
+    assert "**noise rule**: 2 baseline runs" in record
+    assert "| baseline | 100 (101) | 250 / 1,000 (1,000) | 25% | 40 (typical 400 tokens) | 0 | 900 |" in record
+    assert "prediction: `ferry plan --model m --devices cpu:1`" in record

@@ -1,0 +1,114 @@
+"""Decision records: one variant against its baseline's repeats, verdict read through the noise.
+
+A record carries what the method asks for (hypothesis, changed parameter, input
+set, pass condition, measured outcome, verdict) plus what makes it honest on a
+noisy machine: every baseline repeat, the spread used as noise, the variant's
+difference beside it, and a verdict of **better**, **worse** or **no decision:
+within noise** (loadtests/noise.py states the rule). The plain pass/fail of the
+condition on the baseline's mean is kept beside it for reference.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from loadtests.experiment import Experiment, Unavailable, Variant, check_condition, evaluate
+from loadtests.noise import call_measure, noisy_verdict
+
+OUTCOME_KEYS = ("completed_rps", "goodput_rps", "ttft_p95_ms", "queue_p95_ms", "queue_p95_below_ms", "e2e_p95_ms",
+                "itl_p95_ms", "error_rate", "preemptions", "peak_memory_bytes", "peak_kv_blocks_used",
+                "cost_per_accepted", "max_ok_rate")
+
+
+def measures(config_result: dict[str, Any], decision_rate: float) -> dict[str, Any]:
+    """The names a pass condition can use, for one configuration."""
+    runs = config_result["runs"]
+    at_rate = [r for r in runs if r.get("rate") is not None and abs(r["rate"] - decision_rate) < 1e-9]
+    summary = dict(at_rate[0]["summary"]) if at_rate else {}
+    summary["max_ok_rate"] = config_result["sweep"].get("max_rate_meeting_slo") or 0.0
+    if at_rate and not at_rate[0].get("slo_targets", True):
+        summary["slo_met"] = None  # no targets: nothing to meet
+    else:
+        summary["slo_met"] = 1.0 if at_rate and not at_rate[0]["slo_violations"] else 0.0
+    return summary
+
+
+def condition_names(text: str) -> list[str]:
+    """The measures a pass condition reads, in order of appearance."""
+    names: list[str] = []
+    for node in ast.walk(check_condition(text)):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name is not None and name != "baseline" and name not in names:
+            names.append(name)
+    return names
+
+
+def _plain(text: str, mine: dict[str, Any], base: dict[str, Any]) -> str:
+    try:
+        return "pass" if evaluate(text, mine, base) else "fail"
+    except Unavailable as exc:
+        return f"inconclusive ({exc} is n/a)"
+
+
+def decide(experiment: Experiment, variant: Variant, baseline_results: list[dict[str, Any]],
+           variant_result: dict[str, Any], input_set: dict[str, Any]) -> dict[str, Any]:
+    """One decision record for ``variant`` against every run of the baseline."""
+    rate = experiment.decision_rate
+    base_runs = [measures(b, rate) for b in baseline_results]
+    mine = measures(variant_result, rate)
+    verdict, noise = noisy_verdict(variant.pass_condition, mine, base_runs, experiment.noise_floor)
+    keys = list(OUTCOME_KEYS) + [k for k in condition_names(variant.pass_condition) if k not in OUTCOME_KEYS]
+    mean = {k: noise.get(k, {}).get("mean") for k in keys}
+    base_mean = {**base_runs[0], **{k: v for k, v in mean.items() if v is not None}}
+    outcome = {
+        "decision_rate": rate,
+        "variant": {k: mine.get(k) for k in keys},
+        "baseline": {k: mean.get(k) for k in keys},
+        "baseline_runs": {k: noise.get(k, {}).get("runs") for k in keys},
+        "spread": {k: noise.get(k, {}).get("spread") for k in keys},
+        "difference": {k: _diff(mine.get(k), mean.get(k)) for k in keys},
+        "call": {k: call_measure(k, _float(mine.get(k)), noise.get(k, {})) for k in keys},
+    }
+    record = {
+        "variant": variant.name,
+        "hypothesis": variant.hypothesis,
+        "changed_parameter": f"{variant.knob}: {experiment.baseline.get(variant.knob, 'server default')} -> "
+                             f"{variant.value}",
+        "input_set": input_set,
+        "pass_condition": variant.pass_condition,
+        "measured_outcome": outcome,
+        "verdict": verdict,
+        "condition_on_means": _plain(variant.pass_condition, mine, base_mean),
+        "noise_rule": f"{len(base_runs)} baseline runs; spread = max(range, {experiment.noise_floor:g} x mean)",
+    }
+    if verdict.startswith("no decision"):
+        record["to_settle"] = _to_settle(variant.pass_condition, outcome, len(base_runs))
+    return record
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _diff(a: Any, b: Any) -> float | None:
+    x, y = _float(a), _float(b)
+    return None if x is None or y is None else x - y
+
+
+def _to_settle(condition: str, outcome: dict[str, Any], num_baseline: int) -> str:
+    """What run would settle a 'no decision': the condition's measures that are inside their noise."""
+    close = [k for k in condition_names(condition) if outcome["call"].get(k) == "within noise"]
+    if not close:
+        return ("the condition combines measures whose intervals overlap its thresholds; repeat the baseline "
+                "and the variant (e.g. A B A B A B) so the spread can shrink")
+    parts = []
+    for k in close:
+        diff, spread = outcome["difference"].get(k), outcome["spread"].get(k)
+        if diff is not None and spread:
+            parts.append(f"{k} moved {diff:+.4g} inside a spread of {spread:.4g}")
+        else:
+            parts.append(f"{k} did not move beyond its spread")
+    return ("; ".join(parts) + f". Settle it with more repeats ({num_baseline} baseline runs now; the spread of "
+            "a mean falls roughly with the square root of the runs), longer runs at the decision rate, or a "
+            "quieter machine")
