@@ -43,6 +43,13 @@ from shared.config import (
     config_from_args,
     config_to_flags,
 )
+from shared.config_checks import (
+    DefaultsHelpFormatter,
+    all_errors,
+    exit_on_errors,
+    model_error,
+    runtime_dir_error,
+)
 from shared.logs import add_logging_args
 
 ENDPOINT_FIELDS = {"gateway_endpoint", "plan_endpoint", "result_endpoint", "scheduler_endpoint"}
@@ -57,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ferry serve",
         description="Serve a model: embedded Redis, scheduler, workers and gateway as supervised child processes.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--runtime-dir", default="", help="folder for ipc sockets ('': a fresh private temp folder)")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0, help="give up if /ready fails this long")
@@ -191,8 +199,31 @@ class Signals:
                   file=sys.stderr, flush=True)
 
 
+def knob_errors(args: argparse.Namespace) -> list[str]:
+    """Every bad knob of every process this command would start, before starting any."""
+    eps = endpoints(os.path.abspath(args.runtime_dir or tempfile.gettempdir()))
+    errors: list[str] = []
+    if args.startup_timeout_s <= 0:
+        errors.append(f"--startup-timeout-s must be greater than 0 (got {args.startup_timeout_s!r})")
+    if args.max_restarts < 0:
+        errors.append(f"--max-restarts must be at least 0 (got {args.max_restarts!r})")
+    scheduler = config_from_args(SchedulerConfig, args, **_pick(eps, SchedulerConfig))
+    worker = config_from_args(WorkerConfig, args, **_pick(eps, WorkerConfig), rank=0)
+    gateway = config_from_args(GatewayConfig, args, **_pick(eps, GatewayConfig))
+    errors += all_errors([scheduler, worker, gateway])
+    for error in (runtime_dir_error(args.runtime_dir), model_error(worker.model)):
+        if error is not None:
+            errors.append(error)
+    if gateway.model != worker.model and not errors:
+        error = model_error(gateway.model)
+        if error is not None:
+            errors.append(error)
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_errors("ferry serve", knob_errors(args))
     signals = Signals()
     own_runtime = not args.runtime_dir
     runtime_dir = tempfile.mkdtemp(prefix="ferry-") if own_runtime else os.path.abspath(args.runtime_dir)

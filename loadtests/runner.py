@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from loadtests.arrivals import ArrivalSpec, send_offsets
-from loadtests.client import ClientConfig, RequestRecord, send_request
+from loadtests.client import AUTH_STATUSES, ClientConfig, RequestRecord, auth_refused, send_request
 from loadtests.metrics import CostModel, GoodputSLO, RunSLO, slo_violations, summarize
 from loadtests.progress import Progress
 from loadtests.scrape import MetricNames, MetricsScraper, server_deltas
@@ -176,6 +176,9 @@ async def _tracked(
         record = await send_request(client, request, settings.client, run_start)
     finally:
         in_flight.change(-1)
+    if record.http_status in AUTH_STATUSES:
+        # every other request would be refused the same way: stop the run, say why
+        raise auth_refused(record.http_status or 0, record.error or "", settings.client.api_key)
     on_done(record)
     return record
 

@@ -270,6 +270,10 @@ async def _start_stream(st: GatewayState, request: Request, gen: Generation, ren
         except APIError as e:
             st.metrics.on_rejected(e.code or str(e.status), e.status)
             yield sse(e.body())
+        # The generation is over: free its in-flight slot before the last byte, so a client
+        # that sends its next request as soon as it reads [DONE] never meets its own slot.
+        if gen.on_settled is not None:
+            gen.on_settled()
         yield b"data: [DONE]\n\n"
 
     def on_close() -> None:

@@ -26,6 +26,7 @@ import psutil
 import zmq
 
 from shared.config import WorkerConfig, add_config_args, config_as_dict, config_from_args
+from shared.config_checks import config_errors, exit_on_errors
 from shared.logs import add_logging_args, setup_logging_from_args
 from shared.messages import (
     Shutdown,
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(WorkerConfig, args)
+    exit_on_errors(f"ferry worker{config.rank}", config_errors(config))
     # The same structured logs as the gateway and scheduler, one service name per rank.
     setup_logging_from_args(f"worker{config.rank}", args)
     return serve(config)
