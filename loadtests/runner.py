@@ -203,13 +203,24 @@ async def _open_loop(
         async with gate:
             return await _tracked(client, request, settings, run_start, in_flight, progress.update)
 
-    tasks = []
+    tasks: list[asyncio.Task[RequestRecord]] = []
+    failures: list[BaseException] = []  # a request that ends the run (a refusal for auth)
+
+    def note_failure(task: asyncio.Task[RequestRecord]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            failures.append(task.exception())  # type: ignore[arg-type]
+
     try:
         for request, offset in zip(trace.requests, offsets, strict=False):
             delay = run_start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if failures:
+                for task in tasks:
+                    task.cancel()
+                raise failures[0]
             tasks.append(asyncio.create_task(one(request)))
+            tasks[-1].add_done_callback(note_failure)
         records = list(await asyncio.gather(*tasks))
         # The offered load covers the whole window even when the last arrival came early:
         # a run is never shorter than its window, so throughput is not inflated.

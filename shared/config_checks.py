@@ -98,7 +98,7 @@ RULES: dict[str, list[Rule]] = {
     "model": [non_empty],
     "dtype": [one_of("auto", "bfloat16", "float32", "float16")],
     "device": [device],
-    "kv_cache_memory": [at_least(1 << 20)],
+    "kv_cache_memory": [positive],
     "gpu_memory_utilization": [between(0.05, 1.0)],
     "num_threads": [at_least(0)],
     "rank": [at_least(0)],

@@ -483,8 +483,15 @@ class SchedulerService:
     def _health(self) -> EngineHealth:
         return engine_health(
             self.ranks, ready=self.engine_ready(), stopping=self.stop_requested, model=self.model,
-            max_model_len=self.max_model_len, block_size=self.config.block_size,
+            max_model_len=self.max_model_len, block_size=self.config.block_size, config=self._typed_config(),
         )
+
+    def _typed_config(self) -> dict[str, int | float | bool | str]:
+        """The effective knobs with their types (for /v1/config), plus what start-up decided."""
+        values: dict[str, int | float | bool | str] = dict(config_as_dict(self.config))
+        if self.core is not None:
+            values.update(num_kv_blocks=self.core_num_kv_blocks, max_model_len=self.max_model_len)
+        return values
 
     def _stats(self) -> EngineStats:
         assert self.core is not None
