@@ -212,7 +212,9 @@ def test_metrics_config_and_heartbeats(env: Env, fake: FakeScheduler) -> None:
     metrics = env.http.get("/metrics")
     assert metrics.status_code == 200 and "ferry:" in metrics.text
     cfg = env.http.get("/v1/config").json()
-    assert cfg["scheduler"] == {"max_num_seqs": "4", "max_waiting_requests": "1024"} and cfg["gateway"]["served_model_name"] == "tiny"
+    # typed, also from a scheduler that reports its knobs only as strings (this fake does)
+    assert cfg["scheduler"] == {"max_num_seqs": 4, "max_waiting_requests": 1024} and cfg["gateway"]["served_model_name"] == "tiny"
+    assert cfg["workers"] == []
     wait_until(lambda: len(fake.heartbeats) >= 2, 3, "heartbeats every heartbeat_interval_s")
     gid = env.app.state.gateway.gateway_id
     assert {h.gateway_id for h in fake.heartbeats} == {gid}
