@@ -158,8 +158,7 @@ class Stack:
         """Restart ``child`` (and the workers with a scheduler). False: it crash-loops."""
         count = child.note_restart(time.monotonic())
         if count > self.args.max_restarts:
-            print(f"ferry serve: {child.name} restarted {count - 1} times within a minute; giving up",
-                  file=sys.stderr)
+            log.error("%s restarted %d times within a minute; giving up", child.name, count - 1)
             return False
         time.sleep(min(10.0, 0.25 * 2 ** (count - 1)))  # back off a crash loop
         group = [child]
@@ -170,7 +169,7 @@ class Stack:
             if member.running():
                 member.stop(5.0)
         for member in group:
-            print(f"ferry serve: restarting {member.name}", file=sys.stderr, flush=True)
+            log.warning("restarting %s", member.name)
             member.start()
         return True
 
@@ -197,8 +196,7 @@ class Signals:
     def _on(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
         if self.count == 1:
-            print(f"\nferry serve: {signal.Signals(signum).name}: draining (again to stop at once)",
-                  file=sys.stderr, flush=True)
+            log.warning("%s: draining (again to stop at once)", signal.Signals(signum).name)
 
 
 def knob_errors(args: argparse.Namespace) -> list[str]:
@@ -220,12 +218,20 @@ def knob_errors(args: argparse.Namespace) -> list[str]:
         error = model_error(gateway.model)
         if error is not None:
             errors.append(error)
+    if not errors:
+        # the gateway would refuse this bind after everything else started: say it now
+        from services.gateway.__main__ import check_public_bind
+
+        error = check_public_bind(gateway)
+        if error is not None:
+            errors.append(error)
     return errors
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     exit_on_errors("ferry serve", knob_errors(args))
+    setup_serve_logs(args.log_format)
     signals = Signals()
     own_runtime = not args.runtime_dir
     runtime_dir = tempfile.mkdtemp(prefix="ferry-") if own_runtime else os.path.abspath(args.runtime_dir)
@@ -252,7 +258,24 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         else:
             remove_sockets(runtime_dir)
-        print("ferry serve: stopped", file=sys.stderr, flush=True)
+        log.info("stopped")
+
+
+log = logging.getLogger("ferry.serve")
+
+
+def setup_serve_logs(log_format: str) -> None:
+    """ferry serve's own lines (supervision events) and the embedded Redis's, in the children's
+    log format on stderr; stdout carries only the ready banner."""
+    for name, service in (("ferry.serve", "serve"), ("ferry.redis", "redis")):
+        logger = logging.getLogger(name)
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+        for old in list(logger.handlers):
+            logger.removeHandler(old)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter(service) if log_format == "json" else TextFormatter(service))
+        logger.addHandler(handler)
 
 
 REDIS_LEVELS = {".": logging.DEBUG, "-": logging.DEBUG, "*": logging.INFO, "#": logging.WARNING}
@@ -261,22 +284,18 @@ REDIS_LEVELS = {".": logging.DEBUG, "-": logging.DEBUG, "*": logging.INFO, "#": 
 def redis_log_sink(log_format: str) -> Callable[[str], None]:
     """Re-log each line of redis-server's own log (``pid:role date # message``) in ferry's format,
     on stderr with the other services' logs, so stdout carries only the ready banner."""
-    log = logging.getLogger("ferry.redis")
-    log.propagate = False
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(JsonFormatter("redis") if log_format == "json" else TextFormatter("redis"))
-        log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    redis_log = logging.getLogger("ferry.redis")
+    if not redis_log.handlers:
+        setup_serve_logs(log_format)
 
     def sink(line: str) -> None:
         head, sep, message = line.partition(" ")
         parts = message.split(" ", 5) if sep else []
         # "3721:M 30 Nov 2026 19:42:04.745 # Server initialized": the level mark is the 5th word
         if ":" in head and len(parts) == 6 and parts[4] in REDIS_LEVELS:
-            log.log(REDIS_LEVELS[parts[4]], parts[5], extra={"redis_pid": head.split(":")[0]})
+            redis_log.log(REDIS_LEVELS[parts[4]], parts[5], extra={"redis_pid": head.split(":")[0]})
         else:
-            log.warning(line)
+            redis_log.warning(line)
 
     return sink
 
@@ -331,8 +350,7 @@ def _startup(stack: Stack, redis: Child | None, signals: Signals, args: argparse
             failed = stack.failed_child() or _redis_failed(redis)
             if failed is not None:
                 child, code = failed
-                print(f"ferry serve: {child.name} {exit_description(code)} during start-up "
-                      f"(its error is above); stopping", file=sys.stderr, flush=True)
+                log.error("%s %s during start-up (its error is above); stopping", child.name, exit_description(code))
                 return 1
             try:
                 if client.get(f"{base}/ready").status_code == 200:
@@ -341,7 +359,7 @@ def _startup(stack: Stack, redis: Child | None, signals: Signals, args: argparse
                 pass
             time.sleep(0.25)
         else:
-            print(f"ferry serve: not ready after {args.startup_timeout_s:.0f}s; stopping", file=sys.stderr)
+            log.error("not ready after %.0fs; stopping", args.startup_timeout_s)
             return 1
     name = stack.gateway_config.served_model_name or stack.gateway_config.model
     print(
@@ -369,7 +387,7 @@ def _supervise(stack: Stack, redis: Child | None, signals: Signals) -> int:
         if failed is None:
             continue
         child, code = failed
-        print(f"ferry serve: {child.name} (pid {child.pid}) {exit_description(code)}", file=sys.stderr, flush=True)
+        log.error("%s (pid %d) %s", child.name, child.pid, exit_description(code))
         if child is redis:
             if child.note_restart(time.monotonic()) > stack.args.max_restarts:
                 return 1

@@ -10,10 +10,10 @@ then kills the group.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -93,7 +93,7 @@ class Child:
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            print(f"ferry serve: {self.name} did not stop within {grace_s:.0f}s; killing it", file=sys.stderr)
+            logging.getLogger("ferry.serve").warning("%s did not stop within %.0fs; killing it", self.name, grace_s)
             self.signal_group(signal.SIGKILL)
             self.proc.wait()
         return self.proc.returncode

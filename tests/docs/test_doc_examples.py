@@ -11,7 +11,7 @@ What is substituted, so a block runs here as an operator would run it there:
 - lines that start a server (``make run``, ``ferry serve ...``) are not run, the cluster
   stands in for them; their flags are parsed and validated by ``ferry serve``'s own
   parser and knob checks, so a renamed or out-of-range flag still fails;
-- ``--duration N`` of ``ferry bench`` becomes 2 s, ``--duration-s N`` of the overload
+- ``--duration N`` of ``ferry bench`` becomes 1 s, ``--duration-s N`` of the overload
   runs 5 s; ``./my-hf-folder`` and the offline engine's model become the tiny model,
   ``/models/llama-3-8b`` a folder with Llama-3-8B's config.json (all ``ferry plan`` reads).
 
@@ -35,7 +35,7 @@ from tests.docs.examples import ROOT, Block, all_blocks, missing_output
 from tests.integration.conftest import ServeProcess, tail
 
 BLOCK_TIMEOUT_S = 300.0
-BENCH_DURATION_S = "2"
+BENCH_DURATION_S = "1"
 OVERLOAD_DURATION_S = "5"
 SLOW = os.environ.get("FERRY_DOCS_SLOW", "") == "1"
 LLAMA3_8B_CONFIG = {
