@@ -23,19 +23,18 @@ workers); the gateway, scheduler and Redis get one thread each and never spin.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import msgspec
 
+from ferry_cli.serve_support import log, redis_log_sink, remove_sockets, setup_serve_logs
 from ferry_cli.supervisor import Child, available_cores, exit_description, stop_all, wait_until
 from shared.config import (
     GatewayConfig,
@@ -52,7 +51,7 @@ from shared.config_checks import (
     model_error,
     runtime_dir_error,
 )
-from shared.logs import JsonFormatter, TextFormatter, add_logging_args
+from shared.logs import add_logging_args
 
 ENDPOINT_FIELDS = {"gateway_endpoint", "plan_endpoint", "result_endpoint", "scheduler_endpoint"}
 SECRET_FIELDS = {"api_key", "redis_url"}  # passed through the environment, never on a command line
@@ -259,61 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             remove_sockets(runtime_dir)
         log.info("stopped")
-
-
-log = logging.getLogger("ferry.serve")
-
-
-def setup_serve_logs(log_format: str) -> None:
-    """ferry serve's own lines (supervision events) and the embedded Redis's, in the children's
-    log format on stderr; stdout carries only the ready banner."""
-    for name, service in (("ferry.serve", "serve"), ("ferry.redis", "redis")):
-        logger = logging.getLogger(name)
-        logger.propagate = False
-        logger.setLevel(logging.INFO)
-        for old in list(logger.handlers):
-            logger.removeHandler(old)
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(JsonFormatter(service) if log_format == "json" else TextFormatter(service))
-        logger.addHandler(handler)
-
-
-REDIS_LEVELS = {".": logging.DEBUG, "-": logging.DEBUG, "*": logging.INFO, "#": logging.WARNING}
-
-
-def redis_log_sink(log_format: str) -> Callable[[str], None]:
-    """Re-log each line of redis-server's own log (``pid:role date # message``) in ferry's format,
-    on stderr with the other services' logs, so stdout carries only the ready banner."""
-    redis_log = logging.getLogger("ferry.redis")
-    if not redis_log.handlers:
-        setup_serve_logs(log_format)
-
-    def sink(line: str) -> None:
-        head, sep, message = line.partition(" ")
-        parts = message.split(" ", 5) if sep else []
-        # "3721:M 30 Nov 2026 19:42:04.745 # Server initialized": the level mark is the 5th word
-        if ":" in head and len(parts) == 6 and parts[4] in REDIS_LEVELS:
-            redis_log.log(REDIS_LEVELS[parts[4]], parts[5], extra={"redis_pid": head.split(":")[0]})
-        else:
-            redis_log.warning(line)
-
-    return sink
-
-
-RUNTIME_SOCKETS = ("gateway.sock", "plan.sock", "result.sock", "redis.sock")
-
-
-def remove_sockets(runtime_dir: str) -> None:
-    """Remove the sockets this command made in an operator's --runtime-dir (the folder stays)."""
-    import stat
-
-    for name in RUNTIME_SOCKETS:
-        path = os.path.join(runtime_dir, name)
-        try:
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def start_embedded_redis(runtime_dir: str, log_format: str = "json") -> tuple[Child, str]:
