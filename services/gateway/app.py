@@ -36,7 +36,8 @@ misc = APIRouter()
 
 async def require_key(request: Request) -> None:
     """The API endpoints that generate nothing follow the key rules too (OpenAI's /v1/models
-    needs a key); the ops pages (/health, /ready, /metrics, /dashboard, /v1/config) do not."""
+    needs a key), without counting against a key's limits. The ops pages (/health, /ready,
+    /metrics, /dashboard, /v1/config) have rules of their own (docs/api.md)."""
     try:
         await state_of(request).admission.authenticate(request.headers.get("authorization"))
     except AdmissionError as e:
