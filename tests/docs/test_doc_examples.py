@@ -34,6 +34,7 @@ import pytest
 from tests.docs.examples import ROOT, Block, all_blocks, missing_output
 from tests.integration.conftest import ServeProcess, tail
 
+pytestmark = pytest.mark.slow  # starts a cluster
 BLOCK_TIMEOUT_S = 300.0
 BENCH_DURATION_S = "1"
 OVERLOAD_DURATION_S = "5"

@@ -20,6 +20,7 @@ import pytest
 from services.gateway import keys_cli
 from tests.integration.conftest import ServeProcess, read_metrics, tail
 
+pytestmark = pytest.mark.slow  # starts a cluster
 KV_BYTES = 256 << 10  # the tiny model needs 512 B per token: 512 tokens, half its 1024 context
 CHAT = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}
 
