@@ -99,3 +99,13 @@ def test_plots_survive_a_run_with_nothing(tmp_path: Path) -> None:
     write_results(empty, tmp_path)
     assert "| 1rps | 1 | n/a | n/a | n/a | n/a | n/a | n/a |" in (tmp_path / "board.md").read_text()
     assert (tmp_path / "timeline-1rps.png").stat().st_size > 0
+
+
+def test_a_sweep_whose_first_rate_broke_the_slo_says_none() -> None:
+    import copy
+
+    results = copy.deepcopy(RESULTS)
+    results["configs"][0]["sweep"]["max_rate_meeting_slo"] = None  # type: ignore[index]
+    board = render_board(results)
+    assert "highest rate meeting the SLO: none (the first rate already broke it); stopped at 2 req/s" in board
+    assert "n/a req/s" not in board
