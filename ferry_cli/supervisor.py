@@ -10,10 +10,11 @@ then kills the group.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
-import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,12 +43,26 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restart_times: list[float] = field(default_factory=list)
     expected_exit: bool = False  # set while the supervisor itself stops it
+    on_output: Callable[[str], None] | None = None
+    """Each line the child writes (stdout and stderr), for children that do not log in
+    ferry's format; None: the child inherits this process's stdout and stderr."""
 
     def start(self) -> None:
         self.expected_exit = False
+        piped = self.on_output is not None
         self.proc = subprocess.Popen(
             self.cmd, env=self.env, stdin=subprocess.DEVNULL, process_group=0, preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE if piped else None, stderr=subprocess.STDOUT if piped else None,
         )
+        if piped:
+            threading.Thread(target=self._pump, args=(self.proc,), name=f"{self.name}-output", daemon=True).start()
+
+    def _pump(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None and self.on_output is not None
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            if line:
+                self.on_output(line)
 
     @property
     def pid(self) -> int:
@@ -78,7 +93,7 @@ class Child:
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            print(f"ferry serve: {self.name} did not stop within {grace_s:.0f}s; killing it", file=sys.stderr)
+            logging.getLogger("ferry.serve").warning("%s did not stop within %.0fs; killing it", self.name, grace_s)
             self.signal_group(signal.SIGKILL)
             self.proc.wait()
         return self.proc.returncode

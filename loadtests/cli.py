@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ import httpx
 from loadtests.arrivals import ARRIVALS, ArrivalSpec
 from loadtests.scenarios import SCENARIO_NAMES, parse_overrides
 from loadtests.textgen import DEFAULT_TOKENIZER
+from shared.config_checks import DefaultsHelpFormatter
 
 
 def _floats(text: str) -> list[float]:
@@ -35,6 +37,16 @@ def _floats(text: str) -> list[float]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError("values must be positive")
     return values
+
+
+def base_url(text: str) -> str:
+    """The server root: ``http://host:port``, also when given as ``http://host:port/v1`` or with a slash."""
+    url = text.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return url
 
 
 def _ints(text: str) -> list[int]:
@@ -56,9 +68,10 @@ def _add_traffic_args(p: argparse.ArgumentParser) -> None:
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
-    g.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    g.add_argument("--base-url", required=True, type=base_url,
+                   help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1, as ferry serve prints it, is accepted)")
     g.add_argument("--model", default="", help="model name to send ('': the first one /v1/models lists)")
-    g.add_argument("--api-key", default="", help="bearer token, if the server wants one")
+    g.add_argument("--api-key", default="", help="bearer token, if the server wants one [env OPENAI_API_KEY]")
     g.add_argument("--duration", type=float, default=30.0, help="seconds of sending per run")
     g.add_argument("--arrival", choices=("auto", *ARRIVALS), default="auto",
                    help="auto: the trace's own timestamps for agent-rag, mixed, smoke and --trace, else poisson")
@@ -79,7 +92,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-queue-p95-ms", type=float, help="run target: p95 server queue time")
     s.add_argument("--saturation-margin", type=float, default=0.1,
                    help="a run is saturated when it completes less than (1 - margin) of the offered rate "
-                        "(see docs/loadtests.md) (default: %(default)s)")
+                        "(see docs/loadtests.md)")
     s.add_argument("--price-per-gpu-hour", type=float, help="for the cost per accepted answer")
     s.add_argument("--num-gpus", type=int, default=1)
     m = p.add_argument_group("server metrics")
@@ -93,11 +106,12 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="a trace at each listed rate against a running server")
+    run = sub.add_parser("run", help="a trace at each listed rate against a running server",
+                         formatter_class=DefaultsHelpFormatter)
     _add_traffic_args(run)
     _add_load_args(run)
     run.add_argument("--rates", type=_floats, default=[], help="offered req/s, e.g. 0.5,1,2")
-    sweep = sub.add_parser("sweep", help="rates ascending until the SLO breaks")
+    sweep = sub.add_parser("sweep", help="rates ascending until the SLO breaks", formatter_class=DefaultsHelpFormatter)
     _add_traffic_args(sweep)
     _add_load_args(sweep)
     sweep.add_argument("--rates", type=_floats, default=[], help="explicit rates (else --start/--factor/--max-rate)")
@@ -106,11 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--max-rate", type=float, default=64.0)
     sweep.add_argument("--no-stop-on-saturation", action="store_true",
                        help="keep sweeping past the first saturated rate (default: stop there)")
-    exp = sub.add_parser("experiment", help="baseline and one-knob variants from a TOML file")
+    exp = sub.add_parser("experiment", help="baseline and one-knob variants from a TOML file",
+                         formatter_class=DefaultsHelpFormatter)
     exp.add_argument("file", type=Path)
     exp.add_argument("--out", type=Path, default=None, help="output folder (default: results/bench/<file stem>)")
     exp.add_argument("--quiet", action="store_true")
-    gen = sub.add_parser("generate", help="write a scenario's trace file")
+    gen = sub.add_parser("generate", help="write a scenario's trace file", formatter_class=DefaultsHelpFormatter)
     _add_traffic_args(gen)
     gen.add_argument("--out", type=Path, required=True, help="trace file to write (.jsonl)")
     return parser
@@ -119,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(args_list)
+    if hasattr(args, "api_key") and not args.api_key:
+        args.api_key = os.environ.get("OPENAI_API_KEY", "")  # after parsing: --help never shows a secret
     # A SIGTERM unwinds like Ctrl-C, so servers started by an experiment are stopped.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     command = ["ferry", "bench", *args_list]

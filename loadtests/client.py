@@ -255,11 +255,26 @@ def _error_message(text: str) -> str:
     return text[:500]
 
 
+class AuthRefused(RuntimeError):
+    """The server refused a request for authentication (401/403): no run can measure anything."""
+
+
+AUTH_STATUSES = (401, 403)
+
+
+def auth_refused(status: int, message: str, api_key: str) -> AuthRefused:
+    hint = ("the key given was not accepted; check it with 'ferry keys list' on the server" if api_key
+            else "pass --api-key KEY or set OPENAI_API_KEY")
+    return AuthRefused(f"the server refused the request for authentication (HTTP {status}: {message}); {hint}")
+
+
 async def discover_model(base_url: str, api_key: str = "", timeout_s: float = 10.0) -> str:
     """The first model id the server lists at /v1/models."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(trust_env=False, timeout=timeout_s) as client:
         response = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        if response.status_code in AUTH_STATUSES:
+            raise auth_refused(response.status_code, _error_message(response.text), api_key)
         response.raise_for_status()
         data = response.json().get("data") or []
     if not data:

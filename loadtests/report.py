@@ -99,7 +99,8 @@ def render_board(results: dict[str, Any]) -> str:
             what, unit = ("concurrency", "") if sweep.get("axis") == "concurrency" else ("rate", " req/s")
             lines.append(
                 f"- sweep `{config['name']}`: highest {what} meeting the SLO: "
-                f"{fmt(sweep.get('max_rate_meeting_slo'), '{:g}')}{unit}"
+                + (f"{sweep['max_rate_meeting_slo']:g}{unit}" if sweep.get("max_rate_meeting_slo") is not None
+                   else "none (the first rate already broke it)")
                 + (f"; stopped at {sweep['stopped_at']:g}{unit} ({'; '.join(sweep['broken'])})"
                    if sweep.get("stopped_at") is not None else "")
             )

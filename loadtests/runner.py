@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from loadtests.arrivals import ArrivalSpec, send_offsets
-from loadtests.client import ClientConfig, RequestRecord, send_request
+from loadtests.client import AUTH_STATUSES, ClientConfig, RequestRecord, auth_refused, send_request
 from loadtests.metrics import CostModel, GoodputSLO, RunSLO, slo_violations, summarize
 from loadtests.progress import Progress
 from loadtests.saturation import SaturationRule
@@ -183,6 +183,9 @@ async def _tracked(
         record = await send_request(client, request, settings.client, run_start)
     finally:
         in_flight.change(-1)
+    if record.http_status in AUTH_STATUSES:
+        # every other request would be refused the same way: stop the run, say why
+        raise auth_refused(record.http_status or 0, record.error or "", settings.client.api_key)
     on_done(record)
     return record
 
@@ -207,13 +210,24 @@ async def _open_loop(
         async with gate:
             return await _tracked(client, request, settings, run_start, in_flight, progress.update)
 
-    tasks = []
+    tasks: list[asyncio.Task[RequestRecord]] = []
+    failures: list[BaseException] = []  # a request that ends the run (a refusal for auth)
+
+    def note_failure(task: asyncio.Task[RequestRecord]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            failures.append(task.exception())  # type: ignore[arg-type]
+
     try:
         for request, offset in zip(trace.requests, offsets, strict=False):
             delay = run_start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if failures:
+                for task in tasks:
+                    task.cancel()
+                raise failures[0]
             tasks.append(asyncio.create_task(one(request)))
+            tasks[-1].add_done_callback(note_failure)
         records = list(await asyncio.gather(*tasks))
         # The offered load covers the whole window even when the last arrival came early:
         # a run is never shorter than its window, so throughput is not inflated.

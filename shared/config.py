@@ -79,7 +79,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "smollm2-135m-instruct"
     """A local HF directory, a GGUF file, or a built-in name."""
     dtype: str = "auto"
-    """'auto', 'bfloat16' or 'float32'."""
+    """'auto', 'bfloat16', 'float32', or 'float16' (GPU only: refused on a CPU)."""
     device: str = "cpu"
     """'cpu' or 'cuda'."""
     kv_cache_memory: int = 1 << 30

@@ -145,7 +145,24 @@ def setup_logging(service: str, level: str = "INFO", json: bool = True, log_prom
         uv = logging.getLogger(name)
         uv.handlers.clear()
         uv.propagate = True
+    target = stream if stream is not None else sys.stderr
+    if json or not target.isatty():
+        disable_progress_bars()
     return handler
+
+
+def disable_progress_bars() -> None:
+    """No tqdm bars (model loading, GGUF conversion) in a log meant for machines.
+
+    Progress bars are for terminals: on a pipe or a file they interleave carriage
+    returns with the JSON lines. Set before transformers and huggingface_hub are
+    imported (they read these at import), and applied to them if already imported.
+    """
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.disable_progress_bar()
 
 
 def add_logging_args(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:

@@ -184,6 +184,8 @@ class EngineHealth(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     max_model_len: int = 0
     block_size: int = 0
     detail: str = ""
+    workers: list[WorkerReady] = []  # what each ready rank announced (for /v1/config)
+    config: dict[str, int | float | bool | str] = {}  # effective scheduler knobs, typed (for /v1/config)
 
 
 # ---------------------------------------------------------------------------
@@ -248,6 +250,9 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     pid: int = 0
     kv_cache_bytes: int = 0
     weight_bytes: int = 0
+    dtype: str = ""  # resolved weight dtype ("auto" never appears here)
+    device: str = ""
+    num_threads: int = 0  # torch intra-op threads
 
 
 class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -17,6 +17,7 @@ import sys
 
 from services.gateway.keystore import Layout, sync_client
 from shared.config import GatewayConfig, add_config_args, config_from_args
+from shared.config_checks import config_errors, exit_on_errors
 from shared.logs import add_logging_args, setup_logging_from_args
 
 log = logging.getLogger("ferry.gateway")
@@ -67,6 +68,7 @@ def check_public_bind(config: GatewayConfig) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(GatewayConfig, args)
+    exit_on_errors("ferry gateway", config_errors(config))
     error = check_public_bind(config)
     if error is not None:
         print(f"ferry gateway: {error}", file=sys.stderr)

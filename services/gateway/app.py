@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.gateway.auth import AdmissionError
 from services.gateway.dashboard import make_dashboard_router
 from services.gateway.errors import APIError, bad_request, install_error_handlers
 from services.gateway.middleware import RequestGuard
@@ -33,7 +34,17 @@ JSON_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokeni
 misc = APIRouter()
 
 
-@misc.get("/v1/models")
+async def require_key(request: Request) -> None:
+    """The API endpoints that generate nothing follow the key rules too (OpenAI's /v1/models
+    needs a key), without counting against a key's limits. The ops pages (/health, /ready,
+    /metrics, /dashboard, /v1/config) have rules of their own (docs/api.md)."""
+    try:
+        await state_of(request).admission.authenticate(request.headers.get("authorization"))
+    except AdmissionError as e:
+        raise APIError(e.status, e.message, code=e.code, headers=e.headers, type_=e.type) from e
+
+
+@misc.get("/v1/models", dependencies=[Depends(require_key)])
 async def list_models(request: Request) -> dict[str, Any]:
     st = state_of(request)
     card = {"id": st.model_name, "object": "model", "created": st.started_at, "owned_by": "ferry",
@@ -41,7 +52,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
-@misc.post("/tokenize")
+@misc.post("/tokenize", dependencies=[Depends(require_key)])
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     st = state_of(request)
     if body.model is not None:
@@ -61,7 +72,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     return out
 
 
-@misc.post("/detokenize")
+@misc.post("/detokenize", dependencies=[Depends(require_key)])
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     st = state_of(request)
     if body.model is not None:
@@ -74,7 +85,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 
 @misc.get("/health")
 async def health(request: Request) -> dict[str, Any]:
-    return state_of(request).health()
+    st = state_of(request)
+    await st.admission.check_now()  # Redis's state as of now, not as of the last request
+    return st.health()
 
 
 @misc.get("/ready")
@@ -122,14 +135,20 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
                   description="An OpenAI-compatible gateway in front of a ferry engine.")
     app.state.gateway = st
 
-    def on_error(request: Request, err: APIError) -> None:
-        if request.url.path in GENERATION_PATHS:  # refusals of generation requests, by code
+    def on_refused(path: str, err: APIError) -> None:
+        # ferry:request_rejected_total: refusals of generation requests, each counted once,
+        # by error code and the HTTP status the client got (docs/observability.md)
+        if path in GENERATION_PATHS:
             st.metrics.on_rejected(err.code or str(err.status), err.status)
+
+    def on_error(request: Request, err: APIError) -> None:
+        on_refused(request.url.path, err)
 
     install_error_handlers(app, on_error)
     app.include_router(serving_router)
     app.include_router(misc)
     app.include_router(make_dashboard_router(
         st.metrics, lambda: {"health": st.health(), "config": st.effective_config()}))
-    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, json_paths=JSON_PATHS)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, json_paths=JSON_PATHS,
+                       on_refused=on_refused)
     return app

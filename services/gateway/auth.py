@@ -157,6 +157,53 @@ class Admission:
             out["fallback_admissions"] = self.fallback_admissions
         return out
 
+    async def authenticate(self, authorization_header: str | None) -> None:
+        """The key rules of generation without its limits, for the API endpoints that generate
+        nothing (/v1/models, /tokenize, /detokenize): raises the same 401 (or 503 when keys
+        cannot be verified) as ``authorize`` would, charges no request or token allowance."""
+        self._ensure_task()
+        token = parse_bearer(authorization_header)
+        if token is not None and self._static is not None and hmac.compare_digest(token.encode(), self._static):
+            return
+        if self._client is None:
+            if self._static is not None:
+                raise _unauthorized(token)
+            return
+        key_hash = keystore.hash_key(token or "")
+        if self._state != "degraded":
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.exists(self.layout.auth_flag)
+                pipe.exists(self.layout.record(key_hash))
+                enabled, known = await asyncio.wait_for(pipe.execute(), self.redis_timeout_s)
+                self._mark_ok()
+            except (TimeoutError, RedisError, OSError) as exc:
+                self._on_failure(exc)
+            else:
+                if enabled:
+                    if known and token is not None:
+                        return
+                    raise _unauthorized(token)
+                if not self._auth_enabled:  # no keys in Redis: open, or the static key only
+                    if self._static is None:
+                        return
+                    raise _unauthorized(token)
+                # keys were on and Redis has none now (it lost its data): the cache decides
+        # Redis is down: the cached records decide, as for generation requests.
+        if self._auth_enabled is None:
+            raise AdmissionError(503, "API keys cannot be verified: the key store (Redis) is unreachable",
+                                 "key_store_unavailable", {"retry-after": "1"})
+        if not self._auth_enabled and self._static is None:
+            return
+        if token is None or key_hash not in self._cache:
+            raise _unauthorized(token)
+
+    async def check_now(self) -> None:
+        """Probe Redis now (GET /health): a refused connection shows as degraded at once, not at
+        the next request or watcher tick, and ``keys_cached`` is refreshed from Redis."""
+        if self._client is not None and not self._closed:
+            await self._probe()
+
     def auth_mode(self) -> str:
         """'none', 'static', 'redis', 'static+redis' or 'unknown' (Redis never reached)."""
         if self._client is None:

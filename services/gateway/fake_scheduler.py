@@ -6,7 +6,8 @@ sends ``EngineStats`` and health every 0.1 s, and answers each ``AddRequest`` wi
 one deterministic token per tick (the ``script`` rotated by the request's seed)
 until ``max_tokens`` (finish ``length``) or ``eos_after`` (finish ``stop``). It
 records adds, aborts and heartbeats, and can refuse (``reject``), hold requests
-in a queue (``hold``), finish them at once with a reason (``finish_now``), or go
+in a queue (``hold``), finish them at once with a reason (``finish_now``, or
+``finish_running`` for those already accepted), or go
 silent (``mute``) on demand.
 """
 
@@ -51,6 +52,7 @@ class FakeScheduler:
         self.reject: tuple[str, float | None] | None = None  # (reason, retry_after_s) for new adds
         self.hold = False  # accept but never generate (a long queue wait)
         self.finish_now: str | None = None  # finish new requests at once with this reason
+        self.finish_running: str | None = None  # finish every accepted request (held too) with this reason, once
         self.eos_after: int | None = None  # emit EOS as the N-th token (finish "stop")
         self.cached_tokens = 0
         self.mute = False  # alive but silent (a hung scheduler): sends nothing at all
@@ -143,6 +145,12 @@ class FakeScheduler:
         self._running[add.req_id] = {"gw": gw, "add": add, "tokens": self.tokens_for(add), "pos": 0}
 
     def _step(self) -> None:
+        if self.finish_running is not None:
+            reason, self.finish_running = self.finish_running, None
+            with self.lock:
+                ended, self._running = self._running, {}
+            for rid, r in ended.items():
+                self._send(r["gw"], RequestDeltas(0, [RequestDelta(rid, finish_reason=reason, error=f"fake {reason}")]))
         if self.hold:
             return
         out: dict[bytes, list[RequestDelta]] = {}

@@ -23,8 +23,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry keys", description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--redis-url", default=os.environ.get("FERRY_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis holding the keys [env FERRY_REDIS_URL; default %(default)s]",
+        "--redis-url", default=None,
+        help=f"Redis holding the keys [env FERRY_REDIS_URL; default {DEFAULT_REDIS_URL}]",
     )
     parser.add_argument(
         "--runtime-dir", default=None,
@@ -41,10 +41,36 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="names, priorities, limits and creation times (never secrets)")
     revoke = sub.add_parser("revoke", help="delete a key; requests using it get 401")
     revoke.add_argument("name")
-    # Accept --redis-url after the subcommand too (`ferry keys add x --redis-url ...`).
+    # Accept --redis-url and --runtime-dir after the subcommand too (`ferry keys add x --runtime-dir D`).
     for child in (add, revoke, sub.choices["list"]):
         child.add_argument("--redis-url", dest="redis_url_sub", default=None, help=argparse.SUPPRESS)
+        child.add_argument("--runtime-dir", dest="runtime_dir_sub", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def redis_target(args: argparse.Namespace) -> tuple[str, str]:
+    """The Redis URL to use and where it came from (for the message when it is unreachable).
+
+    An explicit flag wins over the other (after the subcommand over before it), then
+    FERRY_REDIS_URL, then the default.
+    """
+    runtime_dir = args.runtime_dir_sub or args.runtime_dir
+    if args.redis_url_sub:
+        return args.redis_url_sub, "--redis-url"
+    if runtime_dir:
+        return f"unix://{os.path.abspath(runtime_dir)}/redis.sock", f"--runtime-dir {runtime_dir}"
+    if args.redis_url:
+        return args.redis_url, "--redis-url"
+    if os.environ.get("FERRY_REDIS_URL"):
+        return os.environ["FERRY_REDIS_URL"], "FERRY_REDIS_URL"
+    return DEFAULT_REDIS_URL, "the default"
+
+
+def unreachable_message(url: str, source: str, exc: Exception) -> str:
+    return (f"ferry keys: cannot reach Redis at {_redact(url)} ({source}): {exc}\n"
+            "  `ferry serve` keeps its keys in an embedded Redis at unix://RUNTIME_DIR/redis.sock; point at it\n"
+            "  with --runtime-dir RUNTIME_DIR (the runtime folder `ferry serve` prints, or its --runtime-dir),\n"
+            "  or at any other Redis with --redis-url URL (or FERRY_REDIS_URL)")
 
 
 def _non_negative(text: str) -> int:
@@ -75,8 +101,7 @@ def _redact(url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    url = args.redis_url_sub or (
-        f"unix://{os.path.abspath(args.runtime_dir)}/redis.sock" if args.runtime_dir else args.redis_url)
+    url, source = redis_target(args)
     store = KeyStore(sync_client(url), Layout())
     try:
         if args.command == "add":
@@ -96,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferry keys: {exc}", file=sys.stderr)
         return 1
     except redis.RedisError as exc:
-        print(f"ferry keys: cannot reach Redis at {_redact(url)}: {exc}", file=sys.stderr)
+        print(unreachable_message(url, source, exc), file=sys.stderr)
         return 2
     finally:
         store.client.close()

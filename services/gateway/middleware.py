@@ -11,6 +11,7 @@ to a local server without a CORS preflight).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import HTTPException
@@ -33,10 +34,17 @@ def _too_large(limit: int, size: int | None = None) -> APIError:
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, json_paths: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, json_paths: tuple[str, ...],
+                 on_refused: Callable[[str, APIError], None] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.json_paths = json_paths
+        self.on_refused = on_refused  # (path, error): the refusals made here never reach the error handlers
+
+    async def _refuse(self, scope: Scope, send: Send, err: APIError) -> None:
+        if self.on_refused is not None:
+            self.on_refused(scope["path"], err)
+        await _send_error(send, err)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -45,12 +53,12 @@ class RequestGuard:
         headers: dict[bytes, bytes] = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await _send_error(send, _too_large(self.max_body_bytes, int(length)))
+            await self._refuse(scope, send, _too_large(self.max_body_bytes, int(length)))
             return
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if scope["path"] in self.json_paths and ctype != b"application/json":
             shown = ctype.decode("latin-1") or "none"
-            await _send_error(send, APIError(
+            await self._refuse(scope, send, APIError(
                 400, f"the request body must be JSON sent with 'Content-Type: application/json' (got {shown})",
                 code="invalid_content_type"))
             return

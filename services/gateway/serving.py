@@ -268,8 +268,13 @@ async def _start_stream(st: GatewayState, request: Request, gen: Generation, ren
                 yield sse({**renderer.usage_chunk(gen.usage()), "timings": gen.timings()})
             outcome["value"] = "ok"
         except APIError as e:
-            st.metrics.on_rejected(e.code or str(e.status), e.status)
+            # the headers went out with 200: the client got an error event, not e.status
+            st.metrics.on_rejected(e.code or str(e.status), 200)
             yield sse(e.body())
+        # The generation is over: free its in-flight slot before the last byte, so a client
+        # that sends its next request as soon as it reads [DONE] never meets its own slot.
+        if gen.on_settled is not None:
+            gen.on_settled()
         yield b"data: [DONE]\n\n"
 
     def on_close() -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+import msgspec
 from fastapi import Request
 
 from services.gateway.auth import Admission
@@ -147,9 +148,13 @@ class GatewayState:
         estimate = stats.num_waiting + self.engine.sent_since_stats - stats.drain_rate_rps * age
         if estimate < bound:
             return None
-        retry = retry_after_header(drain_retry_after_s(stats.num_waiting, stats.drain_rate_rps))
-        return APIError(429, f"the waiting queue is full ({stats.num_waiting} of {bound} requests); "
-                             f"retry after {retry} s", code="queue_full", headers={"Retry-After": retry})
+        # say the estimate this refusal rests on: the snapshot alone can be seconds old and
+        # read "0 of 2" while this gateway's own requests fill the queue
+        waiting = max(bound, math.ceil(estimate))
+        retry = retry_after_header(drain_retry_after_s(waiting, stats.drain_rate_rps))
+        return APIError(429, f"the waiting queue is full (about {waiting} of {bound} requests, counting "
+                             f"those sent since the scheduler's last report); retry after {retry} s",
+                        code="queue_full", headers={"Retry-After": retry})
 
     @property
     def model_name(self) -> str:
@@ -175,10 +180,30 @@ class GatewayState:
             gateway["api_key"] = "<set>"
         if gateway.get("redis_url"):
             gateway["redis_url"] = _redact_url(str(gateway["redis_url"]))
-        stats = self.engine.stats
+        stats, health = self.engine.stats, self.engine.health
+        if health is not None and health.config:
+            scheduler: dict[str, Any] = dict(health.config)
+        else:  # a scheduler that reports its knobs only as strings
+            scheduler = {k: _typed(v) for k, v in (stats.config if stats is not None else {}).items()}
+        workers = []
+        for info in health.workers if health is not None else []:
+            worker = msgspec.to_builtins(info)
+            worker.pop("type", None)  # the message tag
+            workers.append(worker)
         return {"gateway": gateway, "gateway_id": self.gateway_id, "model": self.model_name,
-                "max_model_len": self.max_model_len(),
-                "scheduler": dict(stats.config) if stats is not None else {}}
+                "max_model_len": self.max_model_len(), "scheduler": scheduler, "workers": workers}
+
+
+def _typed(text: str) -> int | float | bool | str:
+    """'64' -> 64, '0.25' -> 0.25, 'True' -> True; anything else stays a string."""
+    if text in ("True", "False"):
+        return text == "True"
+    for convert in (int, float):
+        try:
+            return convert(text)  # type: ignore[no-any-return]
+        except ValueError:
+            pass
+    return text
 
 
 def _redact_url(url: str) -> str:

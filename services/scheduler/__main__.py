@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from types import FrameType
 
 from shared.config import SchedulerConfig, add_config_args, config_as_dict, config_from_args
+from shared.config_checks import config_errors, exit_on_errors
 from shared.logs import add_logging_args, setup_logging_from_args
 
 log = logging.getLogger("ferry.scheduler")
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging_from_args("scheduler", args)
     config = config_from_args(SchedulerConfig, args)
+    exit_on_errors("ferry scheduler", config_errors(config))
     log.info("effective configuration: %s", json.dumps(config_as_dict(config), sort_keys=True),
              extra={"config": config_as_dict(config)})
 

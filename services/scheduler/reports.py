@@ -16,7 +16,8 @@ from shared.messages import EngineHealth, EngineStats
 
 
 def engine_health(
-    ranks: RankTable, *, ready: bool, stopping: bool, model: str, max_model_len: int, block_size: int
+    ranks: RankTable, *, ready: bool, stopping: bool, model: str, max_model_len: int, block_size: int,
+    config: dict[str, int | float | bool | str] | None = None,
 ) -> EngineHealth:
     missing = ranks.missing_ranks()
     if stopping:
@@ -34,6 +35,8 @@ def engine_health(
         max_model_len=max_model_len,
         block_size=block_size,
         detail=detail,
+        workers=ranks.infos(),
+        config=config or {},
     )
 
 

@@ -305,6 +305,7 @@ class SchedulerService:
         if not self.max_model_len:
             lens = [i.max_model_len for i in infos if i.max_model_len > 0]
             self.max_model_len = min(lens) if lens else FALLBACK_MAX_MODEL_LEN
+        self.max_model_len = self._fit_max_model_len(num_kv_blocks)
         self.model = infos[0].model
         self.core_num_kv_blocks = num_kv_blocks
         self.core = Scheduler(self.config, num_kv_blocks, self.max_model_len)
@@ -321,6 +322,26 @@ class SchedulerService:
         pending, self.pending = self.pending, []
         for req, _ in pending:
             self._add(req)
+
+    def _fit_max_model_len(self, num_kv_blocks: int) -> int:
+        """``max_model_len``, capped to the tokens the KV cache holds.
+
+        A sequence longer than the whole cache can never run, so a longer limit would
+        only turn requests without ``max_tokens`` (whose default fills the context)
+        into 400s. The cap is decided once, here, and reported everywhere the limit is
+        (``/v1/models``, ``/v1/config``, the ready log line).
+        """
+        capacity = num_kv_blocks * self.config.block_size
+        if self.max_model_len <= capacity:
+            return self.max_model_len
+        log.warning(
+            "max_model_len %d is more than the KV cache holds (%d blocks of %d tokens = %d tokens): "
+            "capped to %d; give the workers more KV memory (--kv-cache-memory, or --gpu-memory-utilization "
+            "on a GPU) or pass a smaller --max-model-len to silence this",
+            self.max_model_len, num_kv_blocks, self.config.block_size, capacity, capacity,
+            extra={"max_model_len_asked": self.max_model_len, "kv_capacity_tokens": capacity},
+        )
+        return capacity
 
     def _on_result(self, msg: StepResult) -> None:
         counts = self.ranks.on_result(msg.rank, self.clock())
@@ -462,8 +483,15 @@ class SchedulerService:
     def _health(self) -> EngineHealth:
         return engine_health(
             self.ranks, ready=self.engine_ready(), stopping=self.stop_requested, model=self.model,
-            max_model_len=self.max_model_len, block_size=self.config.block_size,
+            max_model_len=self.max_model_len, block_size=self.config.block_size, config=self._typed_config(),
         )
+
+    def _typed_config(self) -> dict[str, int | float | bool | str]:
+        """The effective knobs with their types (for /v1/config), plus what start-up decided."""
+        values: dict[str, int | float | bool | str] = dict(config_as_dict(self.config))
+        if self.core is not None:
+            values.update(num_kv_blocks=self.core_num_kv_blocks, max_model_len=self.max_model_len)
+        return values
 
     def _stats(self) -> EngineStats:
         assert self.core is not None

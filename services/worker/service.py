@@ -26,6 +26,7 @@ import psutil
 import zmq
 
 from shared.config import WorkerConfig, add_config_args, config_as_dict, config_from_args
+from shared.config_checks import config_errors, exit_on_errors
 from shared.logs import add_logging_args, setup_logging_from_args
 from shared.messages import (
     Shutdown,
@@ -77,6 +78,12 @@ def _fail(sock: zmq.Socket, config: WorkerConfig, message: str, step_id: int | N
     return 1
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
 def serve(config: WorkerConfig) -> int:
     log.info("worker config: %s", config_as_dict(config))
     ctx = zmq.Context()
@@ -100,6 +107,7 @@ def serve(config: WorkerConfig) -> int:
         rank=config.rank, num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size,
         model=runner.model_name, max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
         pid=os.getpid(), kv_cache_bytes=runner.kv_cache_bytes, weight_bytes=runner.weight_bytes,
+        dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device), num_threads=_torch_threads(),
     )))
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(config, ctx, stop), name="heartbeat", daemon=True)
@@ -147,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(WorkerConfig, args)
+    exit_on_errors(f"ferry worker{config.rank}", config_errors(config))
     # The same structured logs as the gateway and scheduler, one service name per rank.
     setup_logging_from_args(f"worker{config.rank}", args)
     return serve(config)

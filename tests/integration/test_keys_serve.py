@@ -67,7 +67,9 @@ def test_keys_limits_and_redis_outage_over_http(tiny_model_dir: Path, tmp_path: 
         serve.start().wait_ready()
         base = serve.base_url
         with httpx.Client(timeout=60.0, trust_env=False) as client:
-            model = client.get(f"{base}/v1/models").json()["data"][0]["id"]
+            # with keys on, /v1/models wants one too (as OpenAI's does)
+            assert client.get(f"{base}/v1/models").status_code == 401
+            model = client.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {roomy}"}).json()["data"][0]["id"]
 
             missing = _complete(client, base, model, None)
             assert missing.status_code == 401
@@ -151,7 +153,7 @@ def test_embedded_redis_crash_keeps_keys_and_auth(tiny_model_dir: Path, tmp_path
         secret = capsys.readouterr().out.strip()
         base = serve.base_url
         with httpx.Client(timeout=60.0, trust_env=False) as client:
-            model = client.get(f"{base}/v1/models").json()["data"][0]["id"]
+            model = client.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {secret}"}).json()["data"][0]["id"]
             assert _complete(client, base, model, None).status_code == 401  # the first key turned auth on
             assert _complete(client, base, model, secret).status_code == 200
             old = _redis_child(serve)

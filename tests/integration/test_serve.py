@@ -89,12 +89,24 @@ def test_sigkill_of_the_supervisor_takes_the_children(tiny_model_dir: Path, tmp_
 
 
 def test_child_failing_at_startup_stops_everything(tmp_path: Path) -> None:
-    serve = ServeProcess(tmp_path / "no-such-model", tmp_path).start()
+    # a folder that looks like a model (so the up-front knob checks pass) but cannot load
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    serve = ServeProcess(broken, tmp_path).start()
     assert serve.proc is not None
     start = time.monotonic()
     code = serve.proc.wait(timeout=180)
     assert code != 0
     log = serve.log()
-    assert "during start-up" in log and "no-such-model" in log, log
+    assert "during start-up" in log and "broken-model" in log, log
     assert time.monotonic() - start < 180
     wait_for(lambda: processes_using(serve.runtime_dir) == [], 10, what="every child to be gone")
+
+
+def test_a_missing_model_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    serve = ServeProcess(tmp_path / "no-such-model", tmp_path).start()
+    assert serve.proc is not None and serve.proc.wait(timeout=60) == 2
+    log = serve.log()
+    assert "ferry serve: error: --model" in log and "no-such-model" in log, log
+    assert "redis" not in log.lower() and "ferry is serving" not in log

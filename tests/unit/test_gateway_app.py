@@ -212,8 +212,29 @@ def test_metrics_config_and_heartbeats(env: Env, fake: FakeScheduler) -> None:
     metrics = env.http.get("/metrics")
     assert metrics.status_code == 200 and "ferry:" in metrics.text
     cfg = env.http.get("/v1/config").json()
-    assert cfg["scheduler"] == {"max_num_seqs": "4", "max_waiting_requests": "1024"} and cfg["gateway"]["served_model_name"] == "tiny"
+    # typed, also from a scheduler that reports its knobs only as strings (this fake does)
+    assert cfg["scheduler"] == {"max_num_seqs": 4, "max_waiting_requests": 1024} and cfg["gateway"]["served_model_name"] == "tiny"
+    assert cfg["workers"] == []
     wait_until(lambda: len(fake.heartbeats) >= 2, 3, "heartbeats every heartbeat_interval_s")
     gid = env.app.state.gateway.gateway_id
     assert {h.gateway_id for h in fake.heartbeats} == {gid}
     assert all(a.gateway_id == gid for a in fake.adds)
+
+
+def test_streamed_queue_timeout_is_counted_once_with_the_status_the_client_got(env: Env, fake: FakeScheduler) -> None:
+    def rejected(reason: str, status: str) -> float:
+        for line in env.http.get("/metrics").text.splitlines():
+            if line.startswith("ferry:request_rejected_total{") and f'reason="{reason}"' in line \
+                    and f'status="{status}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = rejected("queue_timeout", "200"), rejected("queue_timeout", "503")
+    fake.hold = True
+    with env.http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        assert resp.status_code == 200  # the headers went out before the queue timeout
+        fake.finish_running = "timeout"
+        events = sse_events(resp)
+    assert events[-2]["error"]["code"] == "queue_timeout" and events[-1] == "[DONE]"
+    after = rejected("queue_timeout", "200"), rejected("queue_timeout", "503")
+    assert (after[0] - before[0], after[1] - before[1]) == (1.0, 0.0)

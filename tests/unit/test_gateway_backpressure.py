@@ -222,3 +222,12 @@ def test_the_bound_is_a_flag_of_the_gateway_and_of_ferry_serve() -> None:
     assert GatewayConfig().max_inflight_requests == 2048
     assert gateway_parser().parse_args(["--max-inflight-requests", "7"]).max_inflight_requests == 7
     assert serve_parser().parse_args(["--max-inflight-requests", "0"]).max_inflight_requests == 0
+
+
+def test_queue_full_message_says_the_estimate_not_a_stale_snapshot() -> None:
+    # the snapshot says 0 waiting, but this gateway sent 2 since: the queue of 2 is full
+    empty = EngineStats(time=0.0, num_running=2, num_waiting=0, num_kv_blocks_total=1, num_kv_blocks_free=0,
+                        kv_usage=1.0, drain_rate_rps=0.0, config={"max_waiting_requests": "2"})
+    err = _state_with(empty, age_s=0.1, sent=2).early_refusal()
+    assert err is not None and err.message.startswith("the waiting queue is full (about 2 of 2 requests, ")
+    assert "(0 of 2" not in err.message

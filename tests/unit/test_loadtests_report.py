@@ -144,3 +144,13 @@ def test_decision_record_shows_repeats_spread_and_memory(tmp_path: Path) -> None
     assert "**noise rule**: 2 baseline runs" in record
     assert "| baseline | 100 (101) | 250 / 1,000 (1,000) | 25% | 40 (typical 400 tokens) | 0 | 900 |" in record
     assert "prediction: `ferry plan --model m --devices cpu:1`" in record
+
+
+def test_a_sweep_whose_first_rate_broke_the_slo_says_none() -> None:
+    import copy
+
+    results = copy.deepcopy(RESULTS)
+    results["configs"][0]["sweep"]["max_rate_meeting_slo"] = None  # type: ignore[index]
+    board = render_board(results)
+    assert "highest rate meeting the SLO: none (the first rate already broke it); stopped at 2 req/s" in board
+    assert "n/a req/s" not in board

@@ -109,7 +109,7 @@ def test_device_parsing() -> None:
     assert parse_bytes("8GiB") == 8 << 30 and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1024") == 1024
     assert parse_device("custom:L40S:48").memory_bytes == 48 * GIB
     assert [d.name for d in parse_devices([])] == [d.name for d in BUILTIN_DEVICES]
-    assert [d.name for d in parse_devices(["h200,cpu:1G", "b200"])] == ["H200-141GB", "cpu:1073741824", "B200-180GB"]
+    assert [d.name for d in parse_devices(["h200,cpu:1G", "b200"])] == ["H200-141GB", "cpu:1GiB", "B200-180GB"]
     with pytest.raises(ValueError, match="unknown device"):
         parse_device("tpu-v5")
     with pytest.raises(ValueError, match="not a size"):
@@ -127,7 +127,7 @@ def test_json_output_from_a_local_folder(tmp_path: Path, capsys: pytest.CaptureF
     model = write_model(tmp_path, LLAMA3_8B)
     rc, rows, err = run_json(["--model", model, "--concurrency", "8", "--devices", "h100,cpu:1GiB",
                               "--throughput", "h100=1500"], capsys)
-    assert rc == 0 and [r["device"] for r in rows] == ["H100-SXM-80GB", "cpu:1073741824"]
+    assert rc == 0 and [r["device"] for r in rows] == ["H100-SXM-80GB", "cpu:1GiB"]
     for key in ("device", "weight_bytes", "kv_bytes_per_token", "kv_blocks", "max_concurrency_at_max_model_len", "fits"):
         assert key in rows[0]
     assert rows[0]["max_model_len"] == 8192  # the model's own limit by default
@@ -182,3 +182,12 @@ def test_builtin_gguf_plan_never_imports_torch() -> None:
     assert row["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # float32
     assert row["kv_blocks"] == (1 << 30) // (23_040 * 2 * 16)
     assert row["weight_bytes"] == 134_515_008 * 4
+
+
+def test_cpu_budgets_are_named_readably() -> None:
+    from ferry_cli.plan_devices import readable_size
+
+    assert parse_device("cpu:16GiB").name == "cpu:16GiB"
+    assert parse_device("cpu:17179869184").name == "cpu:16GiB"
+    assert readable_size(1536 << 20) == "1536MiB"
+    assert readable_size(1000) == "1000B"
