@@ -133,6 +133,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """On SIGTERM: stop accepting, give in-flight requests this long to finish, then abort them."""
     max_inflight_requests: int = 2048
     """Generation requests this gateway serves at once; one more is a 429 before any work (0: unbounded)."""
+    max_resumes: int = 3
+    """Times one request is re-submitted after losing its scheduler (a crash is a pause; 0: fail with 503)."""
+    resume_timeout_s: float = 300.0
+    """How long the gateway holds in-flight streams open waiting for a scheduler to come back."""
 
 
 # ---------------------------------------------------------------------------

@@ -206,7 +206,8 @@ def build_state(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None
                               max_model_len=tok.max_position_embeddings or 32768)
     engine = EngineClient(config.scheduler_endpoint, gid, config.heartbeat_interval_s,
                           config.scheduler_timeout_s, on_stats=metrics_.on_engine_stats,
-                          on_health=metrics_.on_engine_health)
+                          on_health=metrics_.on_engine_health, max_resumes=config.max_resumes,
+                          resume_timeout_s=config.resume_timeout_s, on_resumed=metrics_.on_requests_resumed)
     registry = EngineRegistry(config, gid) if EngineRegistry is not None else None
     return GatewayState(config=config, gateway_id=gid, tokenizer=tok, engine=engine, metrics=metrics_,
                         admission=Admission(config, gid), served_names=frozenset({model_name}),

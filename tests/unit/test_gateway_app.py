@@ -179,22 +179,65 @@ def test_non_stream_disconnect_aborts(env: Env, fake: FakeScheduler) -> None:
     wait_until(lambda: rid in fake.aborted(), 5, "abort of a queued stream")
 
 
-def test_scheduler_death_fails_in_flight_and_recovers(env: Env) -> None:
+def test_scheduler_death_holds_in_flight_and_resubmits_it(env: Env) -> None:
     fake = env.start_fake()
     fake.hold = True
     with env.http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         assert resp.status_code == 200  # headers went out after the wait for a first token
         orphan = fake.adds[-1].req_id
         env.stop_fake()
+        wait_until(lambda: env.http.get("/ready").status_code == 503, 5, "not ready without a scheduler")
+        refused = env.http.post("/v1/completions", json=COMPLETION)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "scheduler_unavailable"
+        assert env.http.get("/health").json()["scheduler"]["held"] == 1
+        fake = env.start_fake()  # same endpoint, no gateway restart: the held request is re-sent
         events = sse_events(resp)
-    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "scheduler_unavailable"
-    assert env.http.get("/ready").status_code == 503
-    refused = env.http.post("/v1/completions", json=COMPLETION)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "scheduler_unavailable"
-    fake = env.start_fake()  # same endpoint, no gateway restart
-    assert env.http.post("/v1/completions", json=COMPLETION).status_code == 200
-    wait_until(lambda: orphan in fake.aborted(), 3, "the orphaned request is aborted in the new scheduler")
+    resent = [a for a in fake.adds if a.req_id == orphan + "~r1"]
+    assert len(resent) == 1 and resent[0].output_token_ids == [] and resent[0].prompt_token_ids == env.tok.encode("Hello")
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.text_of(fake.tokens_for(resent[0]))
+    wait_until(lambda: orphan in fake.aborted(), 3, "the orphaned id is aborted in the new scheduler")
+    assert 'ferry:requests_resumed_total{cause="connection_lost"' in env.http.get("/metrics").text
     env.stop_fake()
+
+
+def test_scheduler_death_mid_stream_resumes_with_the_tokens_already_streamed(env: Env) -> None:
+    fake = env.start_fake()
+    fake.tick_s = 0.05
+    req = {**COMPLETION, "max_tokens": 40, "seed": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with env.http.stream("POST", "/v1/completions", json=req) as resp:
+        lines = resp.iter_lines()
+        got: list[Any] = []
+        for line in lines:  # read a few tokens, then kill the scheduler under the stream
+            if line.startswith("data: "):
+                got.append(json.loads(line[len("data: "):]))
+                if len(got) == 5:
+                    break
+        first = fake.adds[-1]
+        env.stop_fake()
+        fake = env.start_fake()
+        rest = sse_events_from(lines)
+    events = got + rest
+    cont = next(a for a in fake.adds if a.req_id.startswith(first.req_id + "~r"))
+    assert 5 <= len(cont.output_token_ids) < 40
+    assert cont.output_token_ids == fake.tokens_for(first)[:len(cont.output_token_ids)]
+    assert cont.stop == first.stop and cont.sampling == first.sampling and cont.arrival_time == first.arrival_time
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == env.text_of(fake.tokens_for(first))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 40
+    snapshot = env.http.get("/dashboard/data").json()
+    assert any("resumed" in ev["text"] for ev in snapshot["events"])
+    env.stop_fake()
+
+
+def sse_events_from(lines: Iterator[str]) -> list[Any]:
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
 
 
 def test_silent_scheduler_is_down_until_it_speaks_again(env: Env, fake: FakeScheduler) -> None:
