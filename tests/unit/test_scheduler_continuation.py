@@ -6,7 +6,15 @@ from __future__ import annotations
 import msgspec
 
 from services.scheduler.scheduler import Scheduler
-from tests.scheduler_fakes import Driver, FakeClock, FakeWorker, default_token, expected_tokens, make_request, small_config
+from tests.scheduler_fakes import (
+    Driver,
+    FakeClock,
+    FakeWorker,
+    default_token,
+    expected_tokens,
+    make_request,
+    small_config,
+)
 
 
 def same_stream(req_id: str, position: int) -> int:
