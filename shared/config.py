@@ -73,6 +73,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A ready worker silent (no heartbeat, no result) for this long is declared dead."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM: how long in-flight requests may run before the process stops anyway."""
+    max_request_crashes: int = 2
+    """A request running at this many consecutive worker crashes is ended with an error (0: never)."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
