@@ -139,6 +139,20 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Times one request is re-submitted after losing its scheduler (a crash is a pause; 0: fail with 503)."""
     resume_timeout_s: float = 300.0
     """How long the gateway holds in-flight streams open waiting for a scheduler to come back."""
+    max_stop_strings: int = 16
+    """Stop strings in one request (the schema's hard cap is 16)."""
+    max_logit_bias: int = 1024
+    """logit_bias entries in one request."""
+    max_messages: int = 4096
+    """Chat messages in one request (the schema's hard cap is 4096)."""
+    max_tools: int = 128
+    """Tools in one chat request."""
+    max_prompts: int = 256
+    """Prompts (strings or token-id lists) in one completion request."""
+    max_list_items: int = 262144
+    """Items in any one JSON list of a request body (token ids, allowed_token_ids, ...)."""
+    body_timeout_s: float = 30.0
+    """A request body that takes longer than this to arrive is refused with 408."""
 
 
 # ---------------------------------------------------------------------------

@@ -131,5 +131,6 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
     app.include_router(misc)
     app.include_router(make_dashboard_router(
         st.metrics, lambda: {"health": st.health(), "config": st.effective_config()}))
-    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, json_paths=JSON_PATHS)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, json_paths=JSON_PATHS,
+                       limits=st.request_limits, body_timeout_s=config.body_timeout_s)
     return app

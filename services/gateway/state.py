@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import Request
 
 from services.gateway.auth import Admission
+from services.gateway.body_check import RequestLimits
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, retry_after_header
 from services.gateway.metrics import GatewayMetrics
@@ -157,6 +158,13 @@ class GatewayState:
 
     def max_model_len(self) -> int:
         return self.engine.max_model_len or self.tokenizer.max_position_embeddings
+
+    def request_limits(self) -> RequestLimits:
+        """The per-request item limits the body check applies (body_check.py)."""
+        c = self.config
+        return RequestLimits(max_stop_strings=c.max_stop_strings, max_logit_bias=c.max_logit_bias,
+                             max_messages=c.max_messages, max_tools=c.max_tools, max_prompts=c.max_prompts,
+                             max_list_items=c.max_list_items, max_token_ids=self.max_model_len())
 
     def limits(self) -> ServingLimits:
         return ServingLimits(self.served_names, self.config.max_n, self.max_model_len())
