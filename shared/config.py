@@ -117,6 +117,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Redis for API keys, shared rate limits and the engine registry ('': none)."""
     api_key: str = ""
     """A single static API key ('': keys from Redis, or none)."""
+    admin_key: str = ""
+    """A key for /metrics, /dashboard and /v1/config on a public bind (besides 'ferry keys add --admin' keys)."""
     allow_unauthenticated_public: bool = False
     """Allow binding a non-loopback host without any authentication."""
     max_body_bytes: int = 4 << 20

@@ -128,6 +128,29 @@ class Admission:
                 self._on_failure(exc)
         return self._authorize_local(token, num_prompt_tokens, max_tokens)
 
+    async def is_admin(self, token: str) -> bool:
+        """Whether ``token`` is a key added with ``ferry keys add --admin`` (ops_auth.py).
+
+        Read from Redis (bounded) and cached; while Redis is degraded, from the cache."""
+        if self._client is None:
+            return False
+        key_hash = keystore.hash_key(token)
+        cached = self._cache.get(key_hash)
+        if self._state == "degraded":
+            return cached is not None and cached.admin
+        try:
+            fields = await asyncio.wait_for(self._client.hgetall(self.layout.record(key_hash)),
+                                            self.redis_timeout_s * 5)
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._on_failure(exc)
+            return cached is not None and cached.admin
+        if not fields:
+            self._cache.pop(key_hash, None)  # revoked
+            return False
+        record = KeyRecord.from_redis(key_hash, fields)
+        self._cache[key_hash] = record
+        return record.admin
+
     async def record_usage(self, grant: Grant, num_tokens: int) -> None:
         """Reconcile the token reservation with what the request really used."""
         if grant.key_hash is None or grant.tpm <= 0:
@@ -206,7 +229,7 @@ class Admission:
         old = self._cache.get(key_hash)
         record = KeyRecord(name=reply[1], key_hash=key_hash, priority=int(reply[2] or 0),
                            rpm=int(float(reply[3])), tpm=int(float(reply[4])),
-                           created=old.created if old else 0.0)
+                           created=old.created if old else 0.0, admin=old.admin if old else False)
         self._cache[key_hash] = record
         if status == "too_large":
             raise _too_large(num_prompt_tokens, record.tpm)

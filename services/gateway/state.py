@@ -181,6 +181,8 @@ class GatewayState:
         gateway = config_as_dict(self.config)
         if gateway.get("api_key"):
             gateway["api_key"] = "<set>"
+        if gateway.get("admin_key"):
+            gateway["admin_key"] = "<set>"
         if gateway.get("redis_url"):
             gateway["redis_url"] = _redact_url(str(gateway["redis_url"]))
         stats = self.engine.stats
