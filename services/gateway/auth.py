@@ -17,6 +17,14 @@ records (refreshed every ``refresh_interval_s``), while a background task pings
 Redis and switches shared limits back on when it answers. A key this gateway
 has never seen cannot be verified during an outage and gets a 503.
 
+The per-gateway limits *share* the key's allowance: with every refresh the
+gateway also counts the gateways registered in Redis (the engine registry's
+``gateways`` set, live entries only), and while Redis is down it enforces
+``limit // N`` of the key's rpm and tpm, N being the last count it saw (at least
+one; at least one request per window even when N exceeds the limit). So N
+gateways cut off from Redis together admit about what the shared limit would
+have, not N times it.
+
 Secrets are never logged or stored: only their SHA-256 is looked up.
 """
 
@@ -108,6 +116,7 @@ class Admission:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.fallback_admissions = 0
+        self.num_gateways = 1  # gateways registered at the last refresh: the fallback's share
 
     # -- public API ---------------------------------------------------------
 
@@ -178,6 +187,7 @@ class Admission:
         if self._degraded_since is not None:
             out["degraded_since"] = self._degraded_since
             out["fallback_admissions"] = self.fallback_admissions
+            out["fallback_share"] = f"1/{self.num_gateways} of each key's limits"
         return out
 
     def auth_mode(self) -> str:
@@ -248,6 +258,9 @@ class Admission:
             enabled, records = await asyncio.wait_for(keystore.load_all(self._client, self.layout), timeout)
         self._auth_enabled = enabled
         self._cache = records
+        now = time.time()
+        gateways = await asyncio.wait_for(self._client.zcount(f"{self.layout.namespace}gateways", now, "+inf"), timeout)
+        self.num_gateways = max(1, int(gateways))
 
     # -- local (fallback) path ----------------------------------------------
 
@@ -267,12 +280,17 @@ class Admission:
         if record is None:
             raise AdmissionError(503, "this API key cannot be verified while the key store (Redis) is "
                                  "unreachable", "key_store_unavailable", {"retry-after": "1"})
-        rpm = record.rpm or self.config.default_rpm
         if record.tpm and num_prompt_tokens > record.tpm:
             raise _too_large(num_prompt_tokens, record.tpm)
-        cost = token_cost(num_prompt_tokens, max_tokens, record.tpm)
-        decision = self.local.admit(key_hash, rpm, record.tpm, cost)
-        return self._grant_or_raise(record=record, decision=decision, cost=cost, shared=False)
+        # this gateway's share of the key's allowance (see the module doc); default_rpm is per gateway already
+        share = self.num_gateways
+        rpm = max(1, record.rpm // share) if record.rpm else self.config.default_rpm
+        tpm = max(1, record.tpm // share) if record.tpm else 0
+        cost = min(token_cost(num_prompt_tokens, max_tokens, record.tpm), tpm) if tpm else 0
+        decision = self.local.admit(key_hash, rpm, tpm, cost)
+        local = KeyRecord(name=record.name, key_hash=key_hash, priority=record.priority, rpm=rpm, tpm=tpm,
+                          created=record.created, admin=record.admin)
+        return self._grant_or_raise(record=local, decision=decision, cost=cost, shared=False)
 
     def _grant_or_raise(self, *, record: KeyRecord, decision: Decision, cost: int, shared: bool) -> Grant:
         headers = decision.headers()
