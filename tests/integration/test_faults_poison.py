@@ -1,4 +1,4 @@
-"""Poison requests against the real scheduler process (``python -m services.scheduler``).
+"""Poison requests against the real scheduler process, then end to end through ``ferry serve``.
 
 The test speaks the wire protocol as the worker (see test_faults_scheduler_service.py):
 its fault-injection hook, which exists only here, crashes the "worker" (a fatal
@@ -6,14 +6,24 @@ its fault-injection hook, which exists only here, crashes the "worker" (a fatal
 prompt holding the poison token id. The scheduler must end that request after
 ``max_request_crashes`` (2) consecutive crashes with an error naming the cause, and
 finish every other request normally.
+
+End to end, a test-only hook (tests/fault_injection/sitecustomize.py, active only
+when that folder is on PYTHONPATH and FERRYTEST_POISON_TOKEN_ID is set) makes the
+real worker raise whenever a step computes a prompt with the poison token: the
+client of that request gets a 500 naming the cause, the others their normal text.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from shared.messages import (
@@ -25,7 +35,7 @@ from shared.messages import (
     encode,
     to_gateway_decoder,
 )
-from tests.integration.conftest import tail
+from tests.integration.conftest import ROOT, ServeProcess, child_env, read_metrics, tail
 from tests.integration.test_faults_scheduler_service import Harness
 
 POISON = 999
@@ -95,3 +105,49 @@ def test_a_request_that_crashes_the_worker_twice_is_ended_and_the_others_finish(
     assert all(h.tokens[rid] == [7, 7, 7] for rid in "acd")
     h.wait(lambda: h.stats is not None and h.stats.num_running == 0 and h.stats.kv_usage == 0.0
            and h.stats.worker_restarts_total == 2, 5, "an idle engine after two restarts")
+
+
+# -- end to end: ferry serve, a real worker with the test-only hook, HTTP -----------------
+
+FAULT_DIR = Path(__file__).resolve().parents[1] / "fault_injection"
+SERVE_POISON = 4242  # a token id of the SmolLM2 vocabulary, in no prompt below but the poison one
+
+
+class PoisonServe(ServeProcess):
+    def start(self) -> PoisonServe:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        env = child_env(FERRYTEST_POISON_TOKEN_ID=str(SERVE_POISON),
+                        PYTHONPATH=os.pathsep.join([str(FAULT_DIR), str(ROOT)]))
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=log, stderr=log,
+                                     stdin=subprocess.DEVNULL, process_group=0)
+        return self
+
+
+def test_ferry_serve_ends_the_poison_request_with_a_500_and_serves_the_others(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    serve = PoisonServe(tiny_model_dir, tmp_path, ["--worker-heartbeat-timeout-s", "3", "--max-restarts", "10"])
+    serve.start()
+    try:
+        serve.wait_ready()
+        base = {"model": serve.model, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        prompts: list[Any] = ["A calm story:", "Another one:", [1, 2, SERVE_POISON, 3], "A third:"]
+        calm = {i: _post(serve, {**base, "prompt": p}) for i, p in enumerate(prompts) if i != 2}
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            futures = [pool.submit(_post, serve, {**base, "prompt": p}) for p in prompts]
+            results = [f.result(timeout=300) for f in futures]
+        status, body = results[2]
+        assert status == 500, body
+        assert body["error"]["code"] == "engine_error" and "crashed 2 times in a row" in body["error"]["message"]
+        for i, (status, body) in enumerate(results):
+            if i != 2:
+                assert status == 200, body
+                assert body["choices"][0]["text"] == calm[i][1]["choices"][0]["text"]
+        assert read_metrics(serve.base_url)["ferry:worker_restarts_total"] == 2
+        assert "injected fault" in serve.log()
+    finally:
+        serve.kill()
+
+
+def _post(serve: ServeProcess, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    resp = httpx.post(f"{serve.base_url}/v1/completions", json=body, timeout=300, trust_env=False)
+    return resp.status_code, resp.json()
