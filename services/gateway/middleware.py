@@ -56,8 +56,10 @@ class _BodyError(Exception):
 
 class RequestGuard:
     def __init__(self, app: ASGIApp, max_body_bytes: int, json_paths: tuple[str, ...],
-                 limits: Callable[[], RequestLimits] = RequestLimits, body_timeout_s: float = 30.0) -> None:
+                 limits: Callable[[], RequestLimits] = RequestLimits, body_timeout_s: float = 30.0,
+                 on_refusal: Callable[[str, APIError], None] | None = None) -> None:
         self.app = app
+        self.on_refusal = on_refusal  # (path, error): the app's metrics hook
         self.max_body_bytes = max_body_bytes
         self.json_paths = json_paths
         self.limits = limits
@@ -71,7 +73,7 @@ class RequestGuard:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _drain(receive)
-            await _send_error(send, _too_large(self.max_body_bytes, int(length)))
+            await self._refuse(scope, send, _too_large(self.max_body_bytes, int(length)))
             return
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if scope["path"] not in self.json_paths:
@@ -80,7 +82,7 @@ class RequestGuard:
         if ctype != b"application/json":
             await _drain(receive)
             shown = ctype.decode("latin-1") or "none"
-            await _send_error(send, APIError(
+            await self._refuse(scope, send, APIError(
                 400, f"the request body must be JSON sent with 'Content-Type: application/json' (got {shown})",
                 code="invalid_content_type"))
             return
@@ -90,14 +92,19 @@ class RequestGuard:
         except _BodyError as e:
             if e.drain:
                 await _drain(receive)
-            await _send_error(send, e.err)
+            await self._refuse(scope, send, e.err)
             return
         except APIError as e:
-            await _send_error(send, e)
+            await self._refuse(scope, send, e)
             return
         if raw is None:
             return  # the client left while sending
         await self.app(scope, _replay(raw, receive), send)
+
+    async def _refuse(self, scope: Scope, send: Send, err: APIError) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal(scope["path"], err)
+        await _send_error(send, err)
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []

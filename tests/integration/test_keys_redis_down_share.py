@@ -31,11 +31,11 @@ class IdleEngine:
         return True
 
 
-async def admitted(admission: Admission, secret: str, attempts: int) -> int:
+async def admitted(admission: Admission, secret: str, attempts: int, cost: int = 10) -> int:
     n = 0
     for _ in range(attempts):
         try:
-            result = await admission.authorize(f"Bearer {secret}", 5, 5)
+            result = await admission.authorize(f"Bearer {secret}", cost // 2, cost - cost // 2)
         except AdmissionError as exc:
             assert exc.status == 429, exc.message
             continue
@@ -44,7 +44,7 @@ async def admitted(admission: Admission, secret: str, attempts: int) -> int:
     return n
 
 
-async def scenario(url: str, secret: str, num_gateways: int, server: RedisServer) -> dict[str, Any]:
+async def scenario(url: str, secret: str, num_gateways: int, server: RedisServer, cost: int = 10) -> dict[str, Any]:
     config = GatewayConfig(redis_url=url)
     admissions = [Admission(config, f"g{i}", reconnect_interval_s=0.2, refresh_interval_s=0.3)
                   for i in range(num_gateways)]
@@ -68,7 +68,7 @@ async def scenario(url: str, secret: str, num_gateways: int, server: RedisServer
             await asyncio.sleep(0.05)
     for a in admissions:
         a.local.clear()  # count from a full bucket: what the probe above took does not matter
-    out = {"down": [await admitted(a, secret, 10) for a in admissions],
+    out = {"down": [await admitted(a, secret, 10, cost) for a in admissions],
            "health": admissions[0].health()}
     for a in admissions:
         await a.close()
@@ -96,3 +96,23 @@ def test_more_gateways_than_the_limit_still_admit_one_request_each() -> None:
     finally:
         server.stop()
     assert out["down"] == [1, 1, 1]
+
+
+def test_token_limits_are_shared_too() -> None:
+    server = RedisServer().start()
+    try:
+        secret, _ = KeyStore(sync_client(server.url)).add("ivan", tpm=100)
+        out = asyncio.run(scenario(server.url, secret, 2, server, cost=10))
+    finally:
+        server.stop()
+    assert out["down"] == [5, 5]  # 100 // 2 = 50 tokens each, 10 per request
+
+
+def test_a_request_larger_than_the_share_still_passes_once() -> None:
+    server = RedisServer().start()
+    try:
+        secret, _ = KeyStore(sync_client(server.url)).add("ivan", tpm=100)
+        out = asyncio.run(scenario(server.url, secret, 2, server, cost=80))  # fits 100, not 50
+    finally:
+        server.stop()
+    assert out["down"] == [1, 1]

@@ -197,7 +197,7 @@ def test_scheduler_death_holds_in_flight_and_resubmits_it(env: Env) -> None:
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.text_of(fake.tokens_for(resent[0]))
     wait_until(lambda: orphan in fake.aborted(), 3, "the orphaned id is aborted in the new scheduler")
-    assert 'ferry:requests_resumed_total{cause="connection_lost"' in env.http.get("/metrics").text
+    assert resumed(env, "connection_lost") >= 1
     env.stop_fake()
 
 
@@ -231,6 +231,14 @@ def test_scheduler_death_mid_stream_resumes_with_the_tokens_already_streamed(env
     env.stop_fake()
 
 
+def resumed(env: Env, cause: str) -> float:
+    """ferry:requests_resumed_total{cause=...} as scraped."""
+    for line in env.http.get("/metrics").text.splitlines():
+        if line.startswith("ferry:requests_resumed_total{") and f'cause="{cause}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no ferry:requests_resumed_total series for {cause}")
+
+
 def sse_events_from(lines: Iterator[str]) -> list[Any]:
     out: list[Any] = []
     for line in lines:
@@ -260,3 +268,29 @@ def test_metrics_config_and_heartbeats(env: Env, fake: FakeScheduler) -> None:
     gid = env.app.state.gateway.gateway_id
     assert {h.gateway_id for h in fake.heartbeats} == {gid}
     assert all(a.gateway_id == gid for a in fake.adds)
+
+
+def test_a_new_scheduler_incarnation_without_a_drop_resumes_in_flight_requests(env: Env) -> None:
+    """A scheduler restarted so fast that no disconnect was seen announces a new incarnation:
+    the requests the old one held are gone, so they are re-sent as continuations."""
+    fake = env.start_fake()
+    fake.tick_s = 0.05
+    req = {**COMPLETION, "max_tokens": 30, "stream": True}
+    with env.http.stream("POST", "/v1/completions", json=req) as resp:
+        lines = resp.iter_lines()
+        got = []
+        for line in lines:
+            if line.startswith("data: "):
+                got.append(json.loads(line[len("data: "):]))
+                if len(got) == 3:
+                    break
+        first = fake.adds[-1]
+        fake.incarnation = "reborn"  # the same socket, a "new process"
+        rest = sse_events_from(lines)
+    events = got + rest
+    cont = next(a for a in fake.adds if a.req_id == first.req_id + "~r1")
+    assert len(cont.output_token_ids) >= 3
+    wait_until(lambda: first.req_id in fake.aborted(), 3, "the old incarnation's id is aborted")
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.text_of(fake.tokens_for(first))
+    assert resumed(env, "new_incarnation") >= 1
+    env.stop_fake()

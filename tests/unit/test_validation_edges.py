@@ -120,3 +120,12 @@ def test_body_size(env: Env, fake: FakeScheduler) -> None:
     big = env.http.post("/v1/completions", content=base + b"x" * (fill + 1) + b'"}',
                         headers={"content-type": "application/json"})
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+
+def test_refusals_before_the_schema_are_counted(env: Env, fake: FakeScheduler) -> None:
+    resp = env.http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud800"}',
+                         headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_unicode"
+    metrics = env.http.get("/metrics").text
+    assert any(line.startswith("ferry:request_rejected_total{") and 'reason="invalid_unicode"' in line
+               and 'status="400"' in line and not line.endswith(" 0.0") for line in metrics.splitlines())
