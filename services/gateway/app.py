@@ -123,12 +123,14 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
                   description="An OpenAI-compatible gateway in front of a ferry engine.")
     app.state.gateway = st
 
-    def on_error_path(path: str, err: APIError) -> None:
-        if path in GENERATION_PATHS:  # refusals of generation requests, by code
+    def on_refused(path: str, err: APIError) -> None:
+        # ferry:request_rejected_total: refusals of generation requests, each counted once,
+        # by error code and the HTTP status the client got (docs/observability.md)
+        if path in GENERATION_PATHS:
             st.metrics.on_rejected(err.code or str(err.status), err.status)
 
     def on_error(request: Request, err: APIError) -> None:
-        on_error_path(request.url.path, err)
+        on_refused(request.url.path, err)
 
     install_error_handlers(app, on_error)
     app.include_router(serving_router)
@@ -144,5 +146,5 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
     app.add_middleware(OpsAuth, protect=protect, is_admin=is_admin)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, json_paths=JSON_PATHS,
                        limits=st.request_limits, body_timeout_s=config.body_timeout_s,
-                       on_refusal=lambda path, err: on_error_path(path, err))
+                       on_refused=on_refused)
     return app

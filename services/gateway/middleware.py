@@ -57,9 +57,9 @@ class _BodyError(Exception):
 class RequestGuard:
     def __init__(self, app: ASGIApp, max_body_bytes: int, json_paths: tuple[str, ...],
                  limits: Callable[[], RequestLimits] = RequestLimits, body_timeout_s: float = 30.0,
-                 on_refusal: Callable[[str, APIError], None] | None = None) -> None:
+                 on_refused: Callable[[str, APIError], None] | None = None) -> None:
         self.app = app
-        self.on_refusal = on_refusal  # (path, error): the app's metrics hook
+        self.on_refused = on_refused  # (path, error): the refusals made here never reach the error handlers
         self.max_body_bytes = max_body_bytes
         self.json_paths = json_paths
         self.limits = limits
@@ -102,8 +102,8 @@ class RequestGuard:
         await self.app(scope, _replay(raw, receive), send)
 
     async def _refuse(self, scope: Scope, send: Send, err: APIError) -> None:
-        if self.on_refusal is not None:
-            self.on_refusal(scope["path"], err)
+        if self.on_refused is not None:
+            self.on_refused(scope["path"], err)
         await _send_error(send, err)
 
     async def _read_body(self, receive: Receive) -> bytes:
