@@ -165,14 +165,22 @@ def test_hostile_bodies_get_4xx_or_success_never_5xx_nor_a_drop(serve: ServeProc
     @example(case=known[3])
     def run(case: tuple[str, bytes]) -> None:
         path, raw = case
+        cpu = sum(gateway.cpu_times()[:2])
         try:
             resp = client.post(path, content=raw, headers={"content-type": "application/json"})
         except httpx.TransportError as e:  # a dropped connection, a reset, a timeout
             raise AssertionError(f"no answer to {raw[:200]!r}: {e!r}") from e
         check_answer(resp)
+        spent = sum(gateway.cpu_times()[:2]) - cpu
+        worst[0] = max(worst[0], spent)
+        # CPU time, not wall time (robust on a loaded machine): a refusal must stay cheap. Before
+        # the body check one list of 3*10^5 bad ids cost the gateway ~25 s of CPU.
+        assert spent < 5.0, f"the gateway spent {spent:.1f} s of CPU on {raw[:120]!r}"
 
+    gateway = psutil.Process(serve.pid("gateway"))
+    worst = [0.0]
     run()
-    print(dict(OUTCOMES))
+    print(dict(OUTCOMES), f"worst gateway CPU per request {worst[0]:.2f} s")
     assert OUTCOMES[400] > 0
 
 
