@@ -294,3 +294,30 @@ def test_a_new_scheduler_incarnation_without_a_drop_resumes_in_flight_requests(e
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.text_of(fake.tokens_for(first))
     assert resumed(env, "new_incarnation") >= 1
     env.stop_fake()
+
+
+def start_held(env: Env) -> FakeScheduler:
+    """A fake scheduler that holds every request from the first instant (no token ever)."""
+    env.fake = FakeScheduler(env.endpoint, env.script)
+    env.fake.hold = True
+    wait_until(lambda: env.http.get("/ready").status_code == 200, 5, "gateway ready")
+    return env.fake
+
+
+def test_a_request_is_resumed_at_most_max_resumes_times(env: Env) -> None:
+    max_resumes = env.app.state.gateway.config.max_resumes
+    fake = start_held(env)
+    with env.http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+        wait_until(lambda: bool(fake.adds), 5, "the request reached the scheduler")
+        rid = fake.adds[-1].req_id
+        for k in range(1, max_resumes + 1):
+            env.stop_fake()
+            fake = start_held(env)
+            wait_until(lambda k=k, f=fake: any(a.req_id == f"{rid}~r{k}" for a in f.adds), 5, f"resume {k}")
+        env.stop_fake()  # one loss more than it may survive
+        fake = start_held(env)
+        events = sse_events(resp)
+    error = events[-2]["error"]
+    assert error["code"] == "scheduler_unavailable" and f"max_resumes={max_resumes}" in error["message"]
+    assert not any(a.req_id == f"{rid}~r{max_resumes + 1}" for a in fake.adds)
+    env.stop_fake()
