@@ -274,7 +274,7 @@ class EngineClient:
                                         f"ran; it is not resumed again (max_resumes={self.max_resumes})")
             else:
                 failure = None
-                cont = stream.owner.continuation(stream.req_id, self.max_model_len)
+                cont = stream.owner.continuation(stream.req_id, self.max_model_len, list(stream.output_token_ids))
                 if isinstance(cont, EngineFailure):
                     failure = cont
             if failure is not None:
@@ -323,6 +323,8 @@ class EngineClient:
             for delta in msg.deltas:
                 stream = self._streams.by_wire(delta.req_id)
                 if stream is not None:
+                    stream.output_token_ids.extend(delta.new_token_ids)
+                    stream.finished = stream.finished or delta.finish_reason is not None
                     stream.queue.put_nowait((stream.req_id, delta))
         elif isinstance(msg, RequestRejected):
             self.sent_since_stats = max(0, self.sent_since_stats - 1)

@@ -69,9 +69,7 @@ class Choice:
     timings: RequestTimings | None = None
     reported: bool = False
     admitted: bool = True  # False: refused before running (not a finished request for metrics)
-    output_token_ids: list[int] = field(default_factory=list)  # every token streamed so far
     num_resumes: int = 0  # continuations sent after scheduler restarts
-    timings_before_resume: RequestTimings | None = None  # the original scheduler's view
 
 
 class Generation:
@@ -113,11 +111,12 @@ class Generation:
             raise unavailable(f"the engine is not available: {e}", retry_after_s=1.0,
                               code="scheduler_unavailable") from e
 
-    def continuation(self, req_id: str, max_model_len: int) -> AddRequest | EngineFailure:
-        """This choice re-submitted to a new scheduler: the tokens streamed so far as outputs."""
+    def continuation(self, req_id: str, max_model_len: int, output_token_ids: list[int]) -> AddRequest | EngineFailure:
+        """This choice re-submitted to a new scheduler: the tokens routed to it so far as outputs
+        (the engine client counts them; some may still wait in the queue, unread)."""
         c = self.choices[req_id]
         add = next(a for a in self.adds if a.req_id == req_id)
-        outputs = list(c.output_token_ids)
+        outputs = list(output_token_ids)
         num_tokens = len(add.prompt_token_ids) + len(outputs)
         if max_model_len and num_tokens >= max_model_len:
             return EngineFailure(f"the scheduler restarted and this request ({num_tokens} tokens) has no room "
@@ -135,8 +134,6 @@ class Generation:
                                          f"({timeout:g}s) without starting", code="queue_timeout")
                 queue_timeout_s = left
         c.num_resumes += 1
-        if c.timings is not None:  # already merged with any earlier incarnation's
-            c.timings_before_resume = c.timings
         return msgspec.structs.replace(add, output_token_ids=outputs, queue_timeout_s=queue_timeout_s)
 
     @property
@@ -184,14 +181,13 @@ class Generation:
                 c.first_token_time = now
         c.num_cached_tokens = max(c.num_cached_tokens, delta.num_cached_tokens)
         if delta.timings is not None:
-            c.timings = _merge_timings(c.timings_before_resume, delta.timings)
+            c.timings = _merge_timings(c.timings, delta.timings)
         texts: list[str] = []
         ids: list[int] = []
         lps: list[SampleLogprobs] = []
         for k, tid in enumerate(delta.new_token_ids):
             texts.append(c.stream.push(tid))
             ids.append(tid)
-            c.output_token_ids.append(tid)
             c.num_output_tokens += 1
             if delta.logprobs is not None and k < len(delta.logprobs):
                 lps.append(delta.logprobs[k])
@@ -277,15 +273,18 @@ class Generation:
 
 
 def _merge_timings(before: RequestTimings | None, now: RequestTimings) -> RequestTimings:
-    """A resumed choice's timings: the original's arrival, queue and first token; the
-    latest scheduler's finish; preemptions of both."""
+    """The timings of a choice so far, updated by one delta's. Across a scheduler restart the
+    original's arrival, queue and first token stay (the earliest known); the finish is the
+    latest scheduler's; preemptions are the largest count reported (within one scheduler
+    the count only grows; across a restart this under-counts rather than double-counts)."""
     if before is None:
         return now
     return RequestTimings(
         arrival_time=before.arrival_time,
         first_scheduled_time=before.first_scheduled_time or now.first_scheduled_time,
         first_token_time=before.first_token_time or now.first_token_time,
-        finished_time=now.finished_time, num_preemptions=before.num_preemptions + now.num_preemptions)
+        finished_time=now.finished_time or before.finished_time,
+        num_preemptions=max(before.num_preemptions, now.num_preemptions))
 
 
 def _longest(values: list[float]) -> float | None:

@@ -24,7 +24,7 @@ its queue deadline passed before it ever ran).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.messages import AddRequest, RequestDelta, RequestRejected
@@ -51,8 +51,9 @@ RequestQueue = asyncio.Queue[tuple[str, StreamItem]]
 class Resumable(Protocol):
     """The owner of a request (a ``Generation``): it knows what was streamed so far."""
 
-    def continuation(self, req_id: str, max_model_len: int) -> AddRequest | EngineFailure:
-        """The request to re-submit, or the failure to end it with."""
+    def continuation(self, req_id: str, max_model_len: int, output_token_ids: list[int]) -> AddRequest | EngineFailure:
+        """The request to re-submit with ``output_token_ids`` (every token routed to it so far,
+        consumed or still queued), or the failure to end it with."""
         ...
 
 
@@ -65,6 +66,10 @@ class Stream:
     owner: Resumable | None  # None: not resumable, fails when the scheduler goes
     wire_id: str = ""
     num_resumes: int = 0
+    # every token routed to ``queue`` so far, over all incarnations: a continuation starts
+    # after the last of them, even if the owner has not read them all yet
+    output_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False  # its final delta is routed: nothing to resume
 
     def __post_init__(self) -> None:
         if not self.wire_id:
@@ -118,6 +123,8 @@ class StreamTable:
         old_wires = list(self.live)
         cannot: list[Stream] = []
         for stream in self.live.values():
+            if stream.finished:
+                continue  # its end is already in its queue; the owner forgets it when it reads it
             if stream.owner is None:
                 cannot.append(stream)
             else:

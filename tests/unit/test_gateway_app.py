@@ -186,7 +186,7 @@ def test_scheduler_death_holds_in_flight_and_resubmits_it(env: Env) -> None:
         assert resp.status_code == 200  # headers went out after the wait for a first token
         orphan = fake.adds[-1].req_id
         env.stop_fake()
-        wait_until(lambda: env.http.get("/ready").status_code == 503, 5, "not ready without a scheduler")
+        wait_until(lambda: env.http.get("/ready").status_code == 503, 30, "not ready without a scheduler")
         refused = env.http.post("/v1/completions", json=COMPLETION)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "scheduler_unavailable"
         assert env.http.get("/health").json()["scheduler"]["held"] == 1
@@ -196,7 +196,7 @@ def test_scheduler_death_holds_in_flight_and_resubmits_it(env: Env) -> None:
     assert len(resent) == 1 and resent[0].output_token_ids == [] and resent[0].prompt_token_ids == env.tok.encode("Hello")
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.text_of(fake.tokens_for(resent[0]))
-    wait_until(lambda: orphan in fake.aborted(), 3, "the orphaned id is aborted in the new scheduler")
+    wait_until(lambda: orphan in fake.aborted(), 30, "the orphaned id is aborted in the new scheduler")
     assert resumed(env, "connection_lost") >= 1
     env.stop_fake()
 
@@ -290,7 +290,7 @@ def test_a_new_scheduler_incarnation_without_a_drop_resumes_in_flight_requests(e
     events = got + rest
     cont = next(a for a in fake.adds if a.req_id == first.req_id + "~r1")
     assert len(cont.output_token_ids) >= 3
-    wait_until(lambda: first.req_id in fake.aborted(), 3, "the old incarnation's id is aborted")
+    wait_until(lambda: first.req_id in fake.aborted(), 30, "the old incarnation's id is aborted")
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.text_of(fake.tokens_for(first))
     assert resumed(env, "new_incarnation") >= 1
     env.stop_fake()
@@ -300,7 +300,7 @@ def start_held(env: Env) -> FakeScheduler:
     """A fake scheduler that holds every request from the first instant (no token ever)."""
     env.fake = FakeScheduler(env.endpoint, env.script)
     env.fake.hold = True
-    wait_until(lambda: env.http.get("/ready").status_code == 200, 5, "gateway ready")
+    wait_until(lambda: env.http.get("/ready").status_code == 200, 30, "gateway ready")
     return env.fake
 
 
@@ -308,12 +308,12 @@ def test_a_request_is_resumed_at_most_max_resumes_times(env: Env) -> None:
     max_resumes = env.app.state.gateway.config.max_resumes
     fake = start_held(env)
     with env.http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
-        wait_until(lambda: bool(fake.adds), 5, "the request reached the scheduler")
+        wait_until(lambda: bool(fake.adds), 30, "the request reached the scheduler")
         rid = fake.adds[-1].req_id
         for k in range(1, max_resumes + 1):
             env.stop_fake()
             fake = start_held(env)
-            wait_until(lambda k=k, f=fake: any(a.req_id == f"{rid}~r{k}" for a in f.adds), 5, f"resume {k}")
+            wait_until(lambda k=k, f=fake: any(a.req_id == f"{rid}~r{k}" for a in f.adds), 30, f"resume {k}")
         env.stop_fake()  # one loss more than it may survive
         fake = start_held(env)
         events = sse_events(resp)
