@@ -5,8 +5,8 @@ A scheduler crash is a pause, not an error. When the gateway loses its scheduler
 ``EngineHealth.incarnation``), every in-flight request moves from *live* to *held*:
 its HTTP stream stays open and nothing is sent to the client. When a scheduler is
 ready again, each held request is re-submitted as a **continuation**: the same prompt,
-sampling parameters and stop conditions, plus ``output_token_ids`` = the tokens already
-streamed. Those travel as outputs, not prompt, so ``max_tokens`` (the remaining budget
+sampling parameters and stop conditions, plus ``output_token_ids`` = every token already
+routed to the request's stream (sent to the client, or still queued for it). Those travel as outputs, not prompt, so ``max_tokens`` (the remaining budget
 is ``max_tokens - len(output_token_ids)``), ``min_tokens``, the penalties and the seeded
 sampler's position (its generator is keyed by ``(seed, number of outputs so far)``) all
 continue as if nothing had happened.
