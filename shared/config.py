@@ -73,6 +73,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A ready worker silent (no heartbeat, no result) for this long is declared dead."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM: how long in-flight requests may run before the process stops anyway."""
+    max_request_crashes: int = 2
+    """A request running at this many consecutive worker crashes is ended with an error (0: never)."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,6 +117,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Redis for API keys, shared rate limits and the engine registry ('': none)."""
     api_key: str = ""
     """A single static API key ('': keys from Redis, or none)."""
+    admin_key: str = ""
+    """A key for /metrics, /dashboard and /v1/config on a public bind (besides 'ferry keys add --admin' keys)."""
     allow_unauthenticated_public: bool = False
     """Allow binding a non-loopback host without any authentication."""
     max_body_bytes: int = 4 << 20
@@ -133,6 +137,24 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """On SIGTERM: stop accepting, give in-flight requests this long to finish, then abort them."""
     max_inflight_requests: int = 2048
     """Generation requests this gateway serves at once; one more is a 429 before any work (0: unbounded)."""
+    max_resumes: int = 3
+    """Times one request is re-submitted after losing its scheduler (a crash is a pause; 0: fail with 503)."""
+    resume_timeout_s: float = 300.0
+    """How long the gateway holds in-flight streams open waiting for a scheduler to come back."""
+    max_stop_strings: int = 16
+    """Stop strings in one request (the schema's hard cap is 16)."""
+    max_logit_bias: int = 1024
+    """logit_bias entries in one request."""
+    max_messages: int = 4096
+    """Chat messages in one request (the schema's hard cap is 4096)."""
+    max_tools: int = 128
+    """Tools in one chat request."""
+    max_prompts: int = 256
+    """Prompts (strings or token-id lists) in one completion request."""
+    max_list_items: int = 262144
+    """Items in any one JSON list of a request body (token ids, allowed_token_ids, ...)."""
+    body_timeout_s: float = 30.0
+    """A request body that takes longer than this to arrive is refused with 408."""
 
 
 # ---------------------------------------------------------------------------

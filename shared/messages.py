@@ -76,6 +76,10 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     arrival_time: float = 0.0  # wall clock (time.time()) at the gateway
     queue_timeout_s: float | None = None  # None: the scheduler's default
     api_key_name: str | None = None
+    # A continuation (the gateway re-submits a request after a scheduler restart): the
+    # tokens already generated and streamed. They are outputs, not prompt, so max_tokens,
+    # min_tokens, penalties and the seeded sampler's position all continue exactly.
+    output_token_ids: list[int] = []
 
 
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):
@@ -186,6 +190,9 @@ class EngineHealth(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     detail: str = ""
     workers: list[WorkerReady] = []  # what each ready rank announced (for /v1/config)
     config: dict[str, int | float | bool | str] = {}  # effective scheduler knobs, typed (for /v1/config)
+    # A random id per scheduler process: a gateway that sees it change knows the requests
+    # it sent to the previous one are gone, even if it never saw the connection drop.
+    incarnation: str = ""
 
 
 # ---------------------------------------------------------------------------

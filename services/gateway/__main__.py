@@ -10,12 +10,12 @@ serves one FastAPI app with uvicorn. It never imports torch.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import math
 import sys
 
 from services.gateway.keystore import Layout, sync_client
+from services.gateway.ops_auth import is_loopback
 from shared.config import GatewayConfig, add_config_args, config_from_args
 from shared.config_checks import config_errors, exit_on_errors
 from shared.logs import add_logging_args, setup_logging_from_args
@@ -29,15 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(parser, GatewayConfig)
     add_logging_args(parser)
     return parser
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name we will not resolve here: treat it as public
 
 
 def redis_has_keys(url: str) -> tuple[bool, str]:

@@ -20,6 +20,7 @@ from services.gateway.auth import AdmissionError
 from services.gateway.dashboard import make_dashboard_router
 from services.gateway.errors import APIError, bad_request, install_error_handlers
 from services.gateway.middleware import RequestGuard
+from services.gateway.ops_auth import OpsAuth, is_loopback, static_admin_check
 from services.gateway.protocol import DetokenizeRequest, TokenizeRequest
 from services.gateway.serving import router as serving_router
 from services.gateway.state import build_state, ferry_version, state_of
@@ -149,6 +150,14 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
     app.include_router(misc)
     app.include_router(make_dashboard_router(
         st.metrics, lambda: {"health": st.health(), "config": st.effective_config()}))
+    admin_key = static_admin_check(config.admin_key)
+
+    async def is_admin(key: str) -> bool:
+        return admin_key(key) or await st.admission.is_admin(key)
+
+    protect = not is_loopback(config.host) and not config.allow_unauthenticated_public
+    app.add_middleware(OpsAuth, protect=protect, is_admin=is_admin)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, json_paths=JSON_PATHS,
+                       limits=st.request_limits, body_timeout_s=config.body_timeout_s,
                        on_refused=on_refused)
     return app

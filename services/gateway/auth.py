@@ -17,6 +17,14 @@ records (refreshed every ``refresh_interval_s``), while a background task pings
 Redis and switches shared limits back on when it answers. A key this gateway
 has never seen cannot be verified during an outage and gets a 503.
 
+The per-gateway limits *share* the key's allowance: with every refresh the
+gateway also counts the gateways registered in Redis (the engine registry's
+``gateways`` set, live entries only), and while Redis is down it enforces
+``limit // N`` of the key's rpm and tpm, N being the last count it saw (at least
+one; at least one request per window even when N exceeds the limit). So N
+gateways cut off from Redis together admit about what the shared limit would
+have, not N times it.
+
 Secrets are never logged or stored: only their SHA-256 is looked up.
 """
 
@@ -108,6 +116,7 @@ class Admission:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.fallback_admissions = 0
+        self.num_gateways = 1  # gateways registered at the last refresh: the fallback's share
 
     # -- public API ---------------------------------------------------------
 
@@ -127,6 +136,29 @@ class Admission:
             except (TimeoutError, RedisError, OSError) as exc:
                 self._on_failure(exc)
         return self._authorize_local(token, num_prompt_tokens, max_tokens)
+
+    async def is_admin(self, token: str) -> bool:
+        """Whether ``token`` is a key added with ``ferry keys add --admin`` (ops_auth.py).
+
+        Read from Redis (bounded) and cached; while Redis is degraded, from the cache."""
+        if self._client is None:
+            return False
+        key_hash = keystore.hash_key(token)
+        cached = self._cache.get(key_hash)
+        if self._state == "degraded":
+            return cached is not None and cached.admin
+        try:
+            fields = await asyncio.wait_for(self._client.hgetall(self.layout.record(key_hash)),
+                                            self.redis_timeout_s * 5)
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._on_failure(exc)
+            return cached is not None and cached.admin
+        if not fields:
+            self._cache.pop(key_hash, None)  # revoked
+            return False
+        record = KeyRecord.from_redis(key_hash, fields)
+        self._cache[key_hash] = record
+        return record.admin
 
     async def record_usage(self, grant: Grant, num_tokens: int) -> None:
         """Reconcile the token reservation with what the request really used."""
@@ -155,6 +187,7 @@ class Admission:
         if self._degraded_since is not None:
             out["degraded_since"] = self._degraded_since
             out["fallback_admissions"] = self.fallback_admissions
+            out["fallback_share"] = f"1/{self.num_gateways} of each key's limits"
         return out
 
     async def authenticate(self, authorization_header: str | None) -> None:
@@ -253,7 +286,7 @@ class Admission:
         old = self._cache.get(key_hash)
         record = KeyRecord(name=reply[1], key_hash=key_hash, priority=int(reply[2] or 0),
                            rpm=int(float(reply[3])), tpm=int(float(reply[4])),
-                           created=old.created if old else 0.0)
+                           created=old.created if old else 0.0, admin=old.admin if old else False)
         self._cache[key_hash] = record
         if status == "too_large":
             raise _too_large(num_prompt_tokens, record.tpm)
@@ -272,6 +305,9 @@ class Admission:
             enabled, records = await asyncio.wait_for(keystore.load_all(self._client, self.layout), timeout)
         self._auth_enabled = enabled
         self._cache = records
+        now = time.time()
+        gateways = await asyncio.wait_for(self._client.zcount(f"{self.layout.namespace}gateways", now, "+inf"), timeout)
+        self.num_gateways = max(1, int(gateways))
 
     # -- local (fallback) path ----------------------------------------------
 
@@ -291,12 +327,17 @@ class Admission:
         if record is None:
             raise AdmissionError(503, "this API key cannot be verified while the key store (Redis) is "
                                  "unreachable", "key_store_unavailable", {"retry-after": "1"})
-        rpm = record.rpm or self.config.default_rpm
         if record.tpm and num_prompt_tokens > record.tpm:
             raise _too_large(num_prompt_tokens, record.tpm)
-        cost = token_cost(num_prompt_tokens, max_tokens, record.tpm)
-        decision = self.local.admit(key_hash, rpm, record.tpm, cost)
-        return self._grant_or_raise(record=record, decision=decision, cost=cost, shared=False)
+        # this gateway's share of the key's allowance (see the module doc); default_rpm is per gateway already
+        share = self.num_gateways
+        rpm = max(1, record.rpm // share) if record.rpm else self.config.default_rpm
+        tpm = max(1, record.tpm // share) if record.tpm else 0
+        cost = min(token_cost(num_prompt_tokens, max_tokens, record.tpm), tpm) if tpm else 0
+        decision = self.local.admit(key_hash, rpm, tpm, cost)
+        local = KeyRecord(name=record.name, key_hash=key_hash, priority=record.priority, rpm=rpm, tpm=tpm,
+                          created=record.created, admin=record.admin)
+        return self._grant_or_raise(record=local, decision=decision, cost=cost, shared=False)
 
     def _grant_or_raise(self, *, record: KeyRecord, decision: Decision, cost: int, shared: bool) -> Grant:
         headers = decision.headers()

@@ -182,6 +182,7 @@ def dashboard_snapshot(metrics: GatewayMetrics, state: Callable[[], dict[str, An
         "processes": _processes(stats, metrics),
         "health": health_components(extra.get("health") or {}, stats),
         "config": config,
+        "events": [{"time": t, "text": text} for t, text in reversed(metrics.events)],
     }
 
 

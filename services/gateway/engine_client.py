@@ -12,10 +12,14 @@ Liveness has two signals:
   and come back when a new one binds the endpoint (zmq reconnects by itself);
 - silence: no message for ``scheduler_timeout_s`` (a hung scheduler).
 
-Either way the scheduler is *down*: ``ready()`` is false, new requests are refused
-with 503, and every in-flight request gets an ``EngineFailure`` in its queue. On a
-lost connection the cached ``EngineHealth`` is dropped, so readiness after a
-restart needs a fresh one (the gateway sends a heartbeat the moment it connects;
+Either way the scheduler is *down*: ``ready()`` is false and new requests are refused
+with 503. In-flight requests are *held* (``resume.py``): their streams stay open and,
+once a scheduler is ready again, each is re-submitted as a continuation. A request that
+cannot be resumed (``max_resumes`` 0 or spent, ``resume_timeout_s`` passed, no room
+left) gets an ``EngineFailure`` in its queue. A new ``EngineHealth.incarnation`` means
+a new scheduler process even when no drop was seen: live requests are held and resumed
+the same way. On a lost connection the cached ``EngineHealth`` is dropped, so readiness
+after a restart needs a fresh one (the gateway sends a heartbeat the moment it connects;
 the scheduler answers a gateway it has not seen with ``EngineHealth``).
 ``ZMQ_IMMEDIATE`` keeps messages from queueing for a scheduler that is not
 connected: a send then fails at once instead of reaching a later scheduler.
@@ -31,20 +35,29 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from services.gateway.resume import (
+    CAUSE_CONNECTION_LOST,
+    CAUSE_NEW_INCARNATION,
+    CAUSE_SILENT,
+    EngineFailure,
+    RequestQueue,
+    Resumable,
+    Stream,
+    StreamItem,
+    StreamTable,
+)
 from shared.messages import (
     AbortRequest,
     AddRequest,
     EngineHealth,
     EngineStats,
     GatewayHeartbeat,
-    RequestDelta,
     RequestDeltas,
     RequestRejected,
     encode,
@@ -53,16 +66,7 @@ from shared.messages import (
 
 log = logging.getLogger("ferry.gateway.engine")
 
-
-@dataclass(frozen=True)
-class EngineFailure:
-    """Put in a request's queue when the scheduler went away with the request in flight."""
-
-    message: str
-
-
-StreamItem = RequestDelta | RequestRejected | EngineFailure
-RequestQueue = asyncio.Queue[tuple[str, StreamItem]]
+__all__ = ["EngineClient", "EngineFailure", "EngineUnavailable", "RequestQueue", "StreamItem"]
 
 
 class EngineUnavailable(Exception):
@@ -73,13 +77,19 @@ class EngineClient:
     def __init__(self, endpoint: str, gateway_id: str, heartbeat_interval_s: float = 1.0,
                  scheduler_timeout_s: float = 10.0,
                  on_stats: Callable[[EngineStats], None] | None = None,
-                 on_health: Callable[[EngineHealth], None] | None = None) -> None:
+                 on_health: Callable[[EngineHealth], None] | None = None,
+                 max_resumes: int = 0, resume_timeout_s: float = 300.0,
+                 on_resumed: Callable[[str, int], None] | None = None) -> None:
         self.endpoint = endpoint
         self.gateway_id = gateway_id
         self.heartbeat_interval_s = heartbeat_interval_s
         self.scheduler_timeout_s = scheduler_timeout_s
         self._on_stats = on_stats
         self._on_health = on_health
+        self.max_resumes = max_resumes
+        self.resume_timeout_s = resume_timeout_s
+        self._on_resumed = on_resumed  # (cause, number of requests re-submitted)
+        self.incarnation = ""  # the scheduler process whose health we last saw
         self.connected = False
         self.last_seen: float | None = None  # time.monotonic() of the last message
         self.health: EngineHealth | None = None
@@ -89,7 +99,7 @@ class EngineClient:
         # queue the stats describe has likely grown by these (see GatewayState.early_refusal)
         self.sent_since_stats = 0
         self.down_reason = "no scheduler seen yet"
-        self._streams: dict[str, RequestQueue] = {}
+        self._streams = StreamTable()
         self._orphans: set[str] = set()  # failed locally; abort them once a scheduler is back
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -122,8 +132,8 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if self._streams:
-            self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=list(self._streams)))
+        if self._streams.live:
+            self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=list(self._streams.live)))
         self._fail_all("the gateway is shutting down")
         if self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
@@ -177,17 +187,21 @@ class EngineClient:
             "model": h.model if h else None,
             "max_model_len": h.max_model_len if h else None,
             "in_flight": len(self._streams),
+            "held": len(self._streams.held),
+            "incarnation": self.incarnation or None,
         }
 
     # -- requests ----------------------------------------------------------------
 
-    def submit(self, adds: list[AddRequest], queue: RequestQueue) -> None:
-        """Register the requests' queue, then send them; EngineUnavailable if that cannot happen."""
+    def submit(self, adds: list[AddRequest], queue: RequestQueue, owner: Resumable | None = None) -> None:
+        """Register the requests' queue, then send them; EngineUnavailable if that cannot happen.
+
+        With an ``owner``, the requests survive a scheduler restart (see ``resume.py``)."""
         ready, reason = self.readiness()
         if not ready:
             raise EngineUnavailable(reason)
         for add in adds:
-            self._streams[add.req_id] = queue
+            self._streams.add(Stream(add.req_id, queue, owner))
         for i, add in enumerate(adds):
             if not self._send(add):
                 sent = [a.req_id for a in adds[:i]]
@@ -199,13 +213,12 @@ class EngineClient:
 
     def abort(self, req_ids: list[str]) -> None:
         """Tell the scheduler to drop these requests (best effort) and stop routing their deltas."""
-        self.forget(req_ids)
-        if req_ids and not self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=list(req_ids))):
-            self._orphans.update(req_ids)
+        wires = self._streams.remove(req_ids)
+        if wires and not self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=wires)):
+            self._orphans.update(wires)
 
     def forget(self, req_ids: list[str]) -> None:
-        for rid in req_ids:
-            self._streams.pop(rid, None)
+        self._streams.remove(req_ids)
 
     # -- internals ---------------------------------------------------------------
 
@@ -217,7 +230,7 @@ class EngineClient:
         assert isinstance(fut, asyncio.Future)
         return fut.done() and fut.exception() is None
 
-    def _mark_down(self, reason: str, drop_health: bool) -> None:
+    def _mark_down(self, reason: str, drop_health: bool, cause: str) -> None:
         was_up = self.connected
         self.connected = False
         if drop_health:  # a new scheduler process must report its own health
@@ -225,13 +238,76 @@ class EngineClient:
         self.down_reason = reason
         if was_up:
             log.warning("scheduler down", extra={"reason": reason, "in_flight": len(self._streams)})
-        self._fail_all(f"the scheduler is unavailable ({reason})")
+        self._hold_all(cause, f"the scheduler is unavailable ({reason})")
 
-    def _fail_all(self, message: str) -> None:
-        streams, self._streams = self._streams, {}
-        self._orphans.update(streams)
-        for rid, queue in streams.items():
-            queue.put_nowait((rid, EngineFailure(message)))
+    def _hold_all(self, cause: str, message: str) -> None:
+        """The scheduler holding our live requests is gone: hold them (or fail them)."""
+        if self.max_resumes <= 0:
+            self._fail_all(message)
+            return
+        old_wires, cannot = self._streams.hold_all(cause, time.monotonic())
+        self._orphans.update(old_wires)  # a scheduler that still knows them must drop them
+        for stream in cannot:
+            stream.queue.put_nowait((stream.req_id, EngineFailure(message)))
+        if self._streams.held:
+            log.warning("holding in-flight requests until a scheduler is ready",
+                        extra={"cause": cause, "held": len(self._streams.held)})
+
+    def _fail_all(self, message: str, code: str = "scheduler_unavailable") -> None:
+        self._orphans.update(self._streams.live)
+        streams = list(self._streams.live.values()) + self._streams.take_held()
+        self._streams = StreamTable()
+        for stream in streams:
+            stream.queue.put_nowait((stream.req_id, EngineFailure(message, code)))
+
+    def _resume_held(self) -> None:
+        """A scheduler is ready: re-submit every held request as a continuation."""
+        cause = self._streams.hold_cause
+        held = self._streams.take_held()
+        if self._orphans and self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=sorted(self._orphans))):
+            self._orphans.clear()
+        resumed = 0
+        for i, stream in enumerate(held):
+            assert stream.owner is not None
+            if stream.num_resumes >= self.max_resumes:
+                failure = EngineFailure(f"the scheduler was lost {stream.num_resumes + 1} times while this request "
+                                        f"ran; it is not resumed again (max_resumes={self.max_resumes})")
+            else:
+                failure = None
+                cont = stream.owner.continuation(stream.req_id, self.max_model_len, list(stream.output_token_ids))
+                if isinstance(cont, EngineFailure):
+                    failure = cont
+            if failure is not None:
+                stream.queue.put_nowait((stream.req_id, failure))
+                continue
+            assert isinstance(cont, AddRequest)
+            stream.wire_id = stream.next_wire_id()
+            self._streams.add(stream)
+            if not self._send(msgspec.structs.replace(cont, req_id=stream.wire_id)):
+                # gone again before we finished: hold the rest for the next one
+                self._streams.remove_wire(stream.wire_id)
+                for s in [stream, *held[i + 1:]]:
+                    self._streams.held[s.req_id] = s
+                self._streams.held_since = time.monotonic()
+                self._streams.hold_cause = cause
+                break
+            resumed += 1
+        if resumed:
+            log.warning("resumed in-flight requests on a new scheduler", extra={"cause": cause, "resumed": resumed})
+            if self._on_resumed is not None:
+                self._on_resumed(cause, resumed)
+
+    def _expire_held(self, now: float) -> None:
+        since = self._streams.held_since
+        if since is not None and now - since > self.resume_timeout_s:
+            message = (f"the scheduler is unavailable ({self.down_reason}) and did not come back within "
+                       f"resume_timeout_s={self.resume_timeout_s:g}s")
+            for stream in self._streams.take_held():
+                stream.queue.put_nowait((stream.req_id, EngineFailure(message)))
+
+    def _maybe_resume(self) -> None:
+        if self._streams.held and self.ready():
+            self._resume_held()
 
     def _on_connected(self) -> None:
         self.connected = True
@@ -240,18 +316,21 @@ class EngineClient:
         self._send(GatewayHeartbeat(gateway_id=self.gateway_id, time=time.time()))
         if self._orphans and self._send(AbortRequest(gateway_id=self.gateway_id, req_ids=sorted(self._orphans))):
             self._orphans.clear()
+        self._maybe_resume()
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, RequestDeltas):
             for delta in msg.deltas:
-                queue = self._streams.get(delta.req_id)
-                if queue is not None:
-                    queue.put_nowait((delta.req_id, delta))
+                stream = self._streams.by_wire(delta.req_id)
+                if stream is not None:
+                    stream.output_token_ids.extend(delta.new_token_ids)
+                    stream.finished = stream.finished or delta.finish_reason is not None
+                    stream.queue.put_nowait((stream.req_id, delta))
         elif isinstance(msg, RequestRejected):
             self.sent_since_stats = max(0, self.sent_since_stats - 1)
-            queue = self._streams.pop(msg.req_id, None)
-            if queue is not None:
-                queue.put_nowait((msg.req_id, msg))
+            stream = self._streams.remove_wire(msg.req_id)
+            if stream is not None:
+                stream.queue.put_nowait((stream.req_id, msg))
         elif isinstance(msg, EngineStats):
             self.stats = msg
             self.stats_received = time.monotonic()
@@ -260,11 +339,24 @@ class EngineClient:
                 self._on_stats(msg)
         elif isinstance(msg, EngineHealth):
             before = self.ready()
+            if msg.incarnation and msg.incarnation != self.incarnation:
+                if self.incarnation and self._streams.live:
+                    # a new scheduler process; the one that held our live requests is gone
+                    self._hold_all(CAUSE_NEW_INCARNATION, "the scheduler restarted (new incarnation)")
+                self.incarnation = msg.incarnation
             self.health = msg
             if self._on_health is not None:
                 self._on_health(msg)
             if self.ready() != before:
                 log.info("scheduler readiness changed", extra={"ready": self.ready(), "reason": self.readiness()[1]})
+            self._maybe_resume()
+
+    def default_queue_timeout_s(self) -> float | None:
+        """The scheduler's ``queue_timeout_s`` as last reported (None: not known)."""
+        try:
+            return float(self.stats.config["queue_timeout_s"]) if self.stats is not None else None
+        except (KeyError, ValueError):
+            return None
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
@@ -290,7 +382,7 @@ class EngineClient:
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._on_connected()
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._mark_down("connection lost", drop_health=True)
+                    self._mark_down("connection lost", drop_health=True, cause=CAUSE_CONNECTION_LOST)
         finally:
             monitor.close(linger=0)
 
@@ -304,5 +396,6 @@ class EngineClient:
                 next_beat = now + self.heartbeat_interval_s
             if self.connected and self.last_seen is not None and now - self.last_seen > self.scheduler_timeout_s:
                 # hung, not gone: if it speaks again, its last health report still holds
-                self._mark_down(f"silent for {now - self.last_seen:.1f}s", drop_health=False)
+                self._mark_down(f"silent for {now - self.last_seen:.1f}s", drop_health=False, cause=CAUSE_SILENT)
+            self._expire_held(now)
             await asyncio.sleep(tick)

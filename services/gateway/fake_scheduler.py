@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
 import zmq
@@ -60,6 +61,7 @@ class FakeScheduler:
         self.num_waiting = 0  # reported in EngineStats (the gateway's early queue_full check reads it)
         self.drain_rate_rps = 2.0
         self.stats_config = {"max_num_seqs": "4", "max_waiting_requests": "1024"}
+        self.incarnation = uuid.uuid4().hex[:12]  # a new "process" per instance
         self.lock = threading.Lock()
         self._running: dict[str, dict[str, Any]] = {}
         self._gateways: set[bytes] = set()
@@ -96,7 +98,8 @@ class FakeScheduler:
     def _health(self) -> EngineHealth:
         return EngineHealth(time=time.time(), scheduler_ready=True, num_workers=1,
                             workers_ready=list(self.workers_ready), model="tiny",
-                            max_model_len=self.max_model_len, block_size=16, detail="fake")
+                            max_model_len=self.max_model_len, block_size=16, detail="fake",
+                            incarnation=self.incarnation)
 
     def _run(self) -> None:
         next_stats = 0.0
@@ -142,7 +145,9 @@ class FakeScheduler:
             self._send(gw, RequestDeltas(0, [RequestDelta(add.req_id, finish_reason=self.finish_now,
                                                           error=f"fake {self.finish_now}")]))
             return
-        self._running[add.req_id] = {"gw": gw, "add": add, "tokens": self.tokens_for(add), "pos": 0}
+        # a continuation picks the script up where the tokens it already streamed end
+        self._running[add.req_id] = {"gw": gw, "add": add, "tokens": self.tokens_for(add),
+                                     "pos": len(add.output_token_ids)}
 
     def _step(self) -> None:
         if self.finish_running is not None:
@@ -182,4 +187,4 @@ class FakeScheduler:
                                  first_token_time=first, finished_time=now if finish else None)
         return RequestDelta(rid, [tid], lps, finish, stop_token_id=tid if finish == "stop" else None,
                             num_prompt_tokens=len(add.prompt_token_ids), num_cached_tokens=self.cached_tokens,
-                            timings=timings if pos == 0 or finish else None)
+                            timings=timings if pos == len(add.output_token_ids) or finish else None)

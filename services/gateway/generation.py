@@ -8,7 +8,10 @@ the choice finishes with ``stop`` and the scheduler is told to abort it, because
 only the gateway sees text.
 
 Any failure of one choice (rejected by the scheduler, queue timeout, engine error,
-scheduler gone) aborts the others and raises an ``APIError`` with the right status.
+scheduler gone for good) aborts the others and raises an ``APIError`` with the right
+status. A scheduler restart is not a failure: the engine client holds the choices and
+asks ``continuation()`` for each (see ``resume.py``); the client sees a pause, and the
+choice's timings, TTFT and usage stay those of the original request.
 ``close()`` is synchronous so it can run in the ``finally`` of a cancelled stream:
 it aborts whatever has not finished (client gone) and reports every choice to the
 metrics.
@@ -19,6 +22,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from services.gateway.detokenizer import TextStream
 from services.gateway.engine_client import EngineClient, EngineFailure, EngineUnavailable, RequestQueue
@@ -64,6 +69,7 @@ class Choice:
     timings: RequestTimings | None = None
     reported: bool = False
     admitted: bool = True  # False: refused before running (not a finished request for metrics)
+    num_resumes: int = 0  # continuations sent after scheduler restarts
 
 
 class Generation:
@@ -97,13 +103,38 @@ class Generation:
 
     def submit(self) -> None:
         try:
-            self.engine.submit(self.adds, self.queue)
+            self.engine.submit(self.adds, self.queue, owner=self)
         except EngineUnavailable as e:
             for c in self.choices.values():
                 c.finish_reason = "error"  # never reached the scheduler: nothing to abort
                 c.admitted = False
             raise unavailable(f"the engine is not available: {e}", retry_after_s=1.0,
                               code="scheduler_unavailable") from e
+
+    def continuation(self, req_id: str, max_model_len: int, output_token_ids: list[int]) -> AddRequest | EngineFailure:
+        """This choice re-submitted to a new scheduler: the tokens routed to it so far as outputs
+        (the engine client counts them; some may still wait in the queue, unread)."""
+        c = self.choices[req_id]
+        add = next(a for a in self.adds if a.req_id == req_id)
+        outputs = list(output_token_ids)
+        num_tokens = len(add.prompt_token_ids) + len(outputs)
+        if max_model_len and num_tokens >= max_model_len:
+            return EngineFailure(f"the scheduler restarted and this request ({num_tokens} tokens) has no room "
+                                 f"left in max_model_len={max_model_len}")
+        if len(outputs) >= add.stop.max_tokens:
+            return EngineFailure("the scheduler restarted after this request's last token")
+        queue_timeout_s = add.queue_timeout_s
+        if c.timings is None and not outputs:
+            # never ran: its queue deadline still counts from the original arrival
+            timeout = add.queue_timeout_s if add.queue_timeout_s is not None else self.engine.default_queue_timeout_s()
+            if timeout is not None and timeout > 0:
+                left = timeout - (time.time() - add.arrival_time)
+                if left <= 0:
+                    return EngineFailure(f"the scheduler restarted and this request waited past its queue timeout "
+                                         f"({timeout:g}s) without starting", code="queue_timeout")
+                queue_timeout_s = left
+        c.num_resumes += 1
+        return msgspec.structs.replace(add, output_token_ids=outputs, queue_timeout_s=queue_timeout_s)
 
     @property
     def unfinished(self) -> list[Choice]:
@@ -150,7 +181,7 @@ class Generation:
                 c.first_token_time = now
         c.num_cached_tokens = max(c.num_cached_tokens, delta.num_cached_tokens)
         if delta.timings is not None:
-            c.timings = delta.timings
+            c.timings = _merge_timings(c.timings, delta.timings)
         texts: list[str] = []
         ids: list[int] = []
         lps: list[SampleLogprobs] = []
@@ -241,13 +272,28 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _merge_timings(before: RequestTimings | None, now: RequestTimings) -> RequestTimings:
+    """The timings of a choice so far, updated by one delta's. Across a scheduler restart the
+    original's arrival, queue and first token stay (the earliest known); the finish is the
+    latest scheduler's; preemptions are the largest count reported (within one scheduler
+    the count only grows; across a restart this under-counts rather than double-counts)."""
+    if before is None:
+        return now
+    return RequestTimings(
+        arrival_time=before.arrival_time,
+        first_scheduled_time=before.first_scheduled_time or now.first_scheduled_time,
+        first_token_time=before.first_token_time or now.first_token_time,
+        finished_time=now.finished_time or before.finished_time,
+        num_preemptions=max(before.num_preemptions, now.num_preemptions))
+
+
 def _longest(values: list[float]) -> float | None:
     return round(max(0.0, max(values)), 6) if values else None
 
 
 def failure_error(item: RequestDelta | RequestRejected | EngineFailure) -> APIError:
     if isinstance(item, EngineFailure):
-        return unavailable(item.message, retry_after_s=1.0, code="scheduler_unavailable")
+        return unavailable(item.message, retry_after_s=1.0, code=item.code)
     if isinstance(item, RequestRejected):
         status, code = _REJECT_STATUS.get(item.reason, (503, item.reason or "rejected"))
         headers = {"Retry-After": retry_after_header(item.retry_after_s)} if status in (429, 503) else None

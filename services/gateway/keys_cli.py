@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--rpm", type=_non_negative, default=0, help="requests per minute (0: unlimited)")
     add.add_argument("--tpm", type=_non_negative, default=0,
                      help="tokens (prompt + generated) per minute (0: unlimited)")
+    add.add_argument("--admin", action="store_true",
+                     help="may also read /metrics, /dashboard and /v1/config when the gateway binds a public address")
     sub.add_parser("list", help="names, priorities, limits and creation times (never secrets)")
     revoke = sub.add_parser("revoke", help="delete a key; requests using it get 401")
     revoke.add_argument("name")
@@ -83,10 +85,10 @@ def _non_negative(text: str) -> int:
 def _format_list(records: list[KeyRecord]) -> str:
     if not records:
         return "no keys"
-    rows = [("NAME", "PRIORITY", "RPM", "TPM", "CREATED")]
+    rows = [("NAME", "PRIORITY", "RPM", "TPM", "CREATED", "ADMIN")]
     for r in records:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.created)) + "Z"
-        rows.append((r.name, str(r.priority), str(r.rpm or "-"), str(r.tpm or "-"), created))
+        rows.append((r.name, str(r.priority), str(r.rpm or "-"), str(r.tpm or "-"), created, "yes" if r.admin else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
                      for row in rows)
@@ -105,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     store = KeyStore(sync_client(url), Layout())
     try:
         if args.command == "add":
-            secret, record = store.add(args.name, priority=args.priority, rpm=args.rpm, tpm=args.tpm)
+            secret, record = store.add(args.name, priority=args.priority, rpm=args.rpm, tpm=args.tpm,
+                                       admin=args.admin)
             print(secret)
             print(f"key {record.name!r} created (priority {record.priority}, rpm {record.rpm or 'unlimited'}, "
-                  f"tpm {record.tpm or 'unlimited'}); the secret above is shown only once",
+                  f"tpm {record.tpm or 'unlimited'}{', admin' if record.admin else ''}); "
+                  "the secret above is shown only once",
                   file=sys.stderr)
         elif args.command == "list":
             print(_format_list(store.list()))

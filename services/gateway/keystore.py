@@ -8,7 +8,7 @@ enough: nothing can be brute-forced from it.
 
 Layout (all under one prefix, ``ferry:`` by default)::
 
-    ferry:key:<sha256>         HASH  name, priority, rpm, tpm, created
+    ferry:key:<sha256>         HASH  name, priority, rpm, tpm, created[, admin]
     ferry:keynames             HASH  name -> sha256
     ferry:auth                 "1" once any key was ever added; it turns
                                authentication on and revoking keys never clears it,
@@ -57,15 +57,20 @@ class KeyRecord:
     tpm: int = 0
     """Tokens (prompt + generated) per minute (0: unlimited)."""
     created: float = 0.0
+    admin: bool = False
+    """May read the operator's pages (/metrics, /dashboard, /v1/config) on a public bind."""
 
     def to_redis(self) -> dict[Any, Any]:
-        return {
+        fields = {
             "name": self.name,
             "priority": str(self.priority),
             "rpm": str(self.rpm),
             "tpm": str(self.tpm),
             "created": repr(self.created),
         }
+        if self.admin:
+            fields["admin"] = "1"
+        return fields
 
     @classmethod
     def from_redis(cls, key_hash: str, fields: dict[Any, Any]) -> KeyRecord:
@@ -80,6 +85,7 @@ class KeyRecord:
             rpm=int(text("rpm")),
             tpm=int(text("tpm")),
             created=float(text("created")),
+            admin=text("admin") == "1",
         )
 
 
@@ -134,7 +140,8 @@ class KeyStore:
         self.client = client
         self.layout = layout or Layout()
 
-    def add(self, name: str, priority: int = 0, rpm: int = 0, tpm: int = 0) -> tuple[str, KeyRecord]:
+    def add(self, name: str, priority: int = 0, rpm: int = 0, tpm: int = 0,
+            admin: bool = False) -> tuple[str, KeyRecord]:
         """Create a key; returns (secret, record). The secret exists only in the return value."""
         if not name or any(c.isspace() for c in name):
             raise ValueError("key name must be non-empty and contain no whitespace")
@@ -142,7 +149,7 @@ class KeyStore:
             raise ValueError("limits must be >= 0 (0: unlimited)")
         secret = new_secret()
         record = KeyRecord(name=name, key_hash=hash_key(secret), priority=priority,
-                           rpm=rpm, tpm=tpm, created=time.time())
+                           rpm=rpm, tpm=tpm, created=time.time(), admin=admin)
         # HSETNX reserves the name atomically, so two concurrent adds cannot both win.
         if not self.client.hsetnx(self.layout.names, name, record.key_hash):
             raise KeyExistsError(f"a key named {name!r} already exists")
@@ -207,13 +214,16 @@ def redis_auth_enabled(url: str, timeout_s: float = 2.0) -> bool | None:
         client.close()
 
 
-# KEYS: names hash, key record, auth flag. ARGV: name, key hash, priority, rpm, tpm, created.
+# KEYS: names hash, key record, auth flag. ARGV: name, key hash, priority, rpm, tpm, created, admin.
 # Puts one record back unless its name is taken (so concurrent restores from several
 # gateways, or a key re-added meanwhile, never clobber anything).
 RESTORE_LUA = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   redis.call('HSET', KEYS[2], 'name', ARGV[1], 'priority', ARGV[3], 'rpm', ARGV[4], 'tpm', ARGV[5],
              'created', ARGV[6])
+  if ARGV[7] == '1' then
+    redis.call('HSET', KEYS[2], 'admin', '1')
+  end
 end
 redis.call('SET', KEYS[3], '1')
 return 1
@@ -232,7 +242,8 @@ async def restore(client: aioredis.Redis, layout: Layout, records: list[KeyRecor
     for r in records:
         fields = r.to_redis()
         await script(keys=[layout.names, layout.record(r.key_hash), layout.auth_flag],
-                     args=[r.name, r.key_hash, fields["priority"], fields["rpm"], fields["tpm"], fields["created"]],
+                     args=[r.name, r.key_hash, fields["priority"], fields["rpm"], fields["tpm"], fields["created"],
+                           "1" if r.admin else "0"],
                      client=pipe)
     pipe.set(layout.auth_flag, "1")  # authentication stays on even with no key left to restore
     await pipe.execute()

@@ -17,6 +17,7 @@ without ``_total``; prometheus_client appends it (``ferry:num_preemptions_total`
 
 from __future__ import annotations
 
+import collections
 import os
 import resource
 import sys
@@ -51,6 +52,7 @@ from services.gateway.metrics_families import (
     one_two_five_buckets,
 )
 from services.gateway.metrics_window import EngineSample, FinishedSample, LiveWindow
+from services.gateway.resume import RESUME_CAUSES
 from shared.messages import EngineHealth, EngineStats, RequestTimings
 
 GATEWAY_PROCESS = "gateway"
@@ -102,6 +104,8 @@ class GatewayMetrics:
         self._seen_labels: dict[str, set[str]] = {}
         self._own_process = psutil.Process(os.getpid())
         self._components: ComponentSource = lambda: [(GATEWAY_PROCESS, True)]
+        # notable gateway events for the dashboard (time.time(), text), newest last
+        self.events: collections.deque[tuple[float, str]] = collections.deque(maxlen=20)
         self._declare_engine()
         self._declare_requests(max_model_len)
         self.registry.register(ScrapeTimeCollector(
@@ -187,6 +191,10 @@ class GatewayMetrics:
             self.success.inc(0, finished_reason=reason)
         self.rejected = self._fan(c, "request_rejected", "Requests refused by the gateway, by reason.",
                                   ("reason", "status"), vllm=False)
+        self.resumed = self._fan(c, "requests_resumed", "Requests re-submitted to a new scheduler after "
+                                 "losing theirs, by cause.", ("cause",), vllm=False)
+        for cause in RESUME_CAUSES:
+            self.resumed.inc(0, cause=cause)
         self.cached_tokens = self._fan(c, "prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
                                        vllm=False)
         self.ttft = self._fan(h, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS)
@@ -353,6 +361,11 @@ class GatewayMetrics:
         if t.finished_time is not None:
             self.inference.observe(max(0.0, t.finished_time - t.first_scheduled_time))
         return queue
+
+    def on_requests_resumed(self, cause: str, num_requests: int) -> None:
+        """The engine client re-submitted ``num_requests`` held requests to a new scheduler."""
+        self.resumed.inc(num_requests, cause=cause)
+        self.events.append((time.time(), f"scheduler lost ({cause}): {num_requests} in-flight request(s) resumed"))
 
     def on_rejected(self, reason: str, status: int) -> None:
         """Count a request the gateway refused (auth, validation, rate limit, queue full...)."""

@@ -33,6 +33,7 @@ import msgspec
 from fastapi import Request
 
 from services.gateway.auth import Admission
+from services.gateway.body_check import RequestLimits
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, retry_after_header
 from services.gateway.metrics import GatewayMetrics
@@ -163,6 +164,13 @@ class GatewayState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len or self.tokenizer.max_position_embeddings
 
+    def request_limits(self) -> RequestLimits:
+        """The per-request item limits the body check applies (body_check.py)."""
+        c = self.config
+        return RequestLimits(max_stop_strings=c.max_stop_strings, max_logit_bias=c.max_logit_bias,
+                             max_messages=c.max_messages, max_tools=c.max_tools, max_prompts=c.max_prompts,
+                             max_list_items=c.max_list_items, max_token_ids=self.max_model_len())
+
     def limits(self) -> ServingLimits:
         return ServingLimits(self.served_names, self.config.max_n, self.max_model_len())
 
@@ -178,6 +186,8 @@ class GatewayState:
         gateway = config_as_dict(self.config)
         if gateway.get("api_key"):
             gateway["api_key"] = "<set>"
+        if gateway.get("admin_key"):
+            gateway["admin_key"] = "<set>"
         if gateway.get("redis_url"):
             gateway["redis_url"] = _redact_url(str(gateway["redis_url"]))
         stats, health = self.engine.stats, self.engine.health
@@ -231,7 +241,8 @@ def build_state(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None
                               max_model_len=tok.max_position_embeddings or 32768)
     engine = EngineClient(config.scheduler_endpoint, gid, config.heartbeat_interval_s,
                           config.scheduler_timeout_s, on_stats=metrics_.on_engine_stats,
-                          on_health=metrics_.on_engine_health)
+                          on_health=metrics_.on_engine_health, max_resumes=config.max_resumes,
+                          resume_timeout_s=config.resume_timeout_s, on_resumed=metrics_.on_requests_resumed)
     registry = EngineRegistry(config, gid) if EngineRegistry is not None else None
     return GatewayState(config=config, gateway_id=gid, tokenizer=tok, engine=engine, metrics=metrics_,
                         admission=Admission(config, gid), served_names=frozenset({model_name}),

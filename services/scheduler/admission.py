@@ -38,6 +38,12 @@ def check_request(
         return RequestRejected(req.req_id, "invalid", "the prompt is empty: at least one token is needed")
     if max_tokens < 1:
         return RequestRejected(req.req_id, "invalid", f"max_tokens must be at least 1, got {max_tokens}")
+    if len(req.output_token_ids) >= max_tokens:
+        return RequestRejected(
+            req.req_id, "invalid",
+            f"a continuation with {len(req.output_token_ids)} tokens already generated has no budget left "
+            f"(max_tokens {max_tokens})",
+        )
     if num_prompt + max_tokens > max_model_len:
         return RequestRejected(
             req.req_id, "too_long",

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import resource
 import time
+import uuid
 
 import msgspec
 import psutil
 
 from services.scheduler.ranks import RankTable
 from shared.messages import EngineHealth, EngineStats
+
+# This process's identity in every EngineHealth (see EngineHealth.incarnation): fixed at
+# import, so it changes exactly when a new scheduler process starts.
+INCARNATION = uuid.uuid4().hex[:12]
 
 
 def engine_health(
@@ -37,6 +42,7 @@ def engine_health(
         detail=detail,
         workers=ranks.infos(),
         config=config or {},
+        incarnation=INCARNATION,
     )
 
 

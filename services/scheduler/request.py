@@ -44,7 +44,7 @@ class Request:
         self.gateway_id = add.gateway_id
         self.prompt_token_ids: list[int] = list(add.prompt_token_ids)
         # Prompt then outputs, in one list: what the prefix hashes and the recompute path read.
-        self.all_token_ids: list[int] = list(add.prompt_token_ids)
+        self.all_token_ids: list[int] = list(add.prompt_token_ids) + list(add.output_token_ids)
         self.sampling: SamplingParams = add.sampling
         self.stop: StopParams = add.stop
         self.eos_ids = frozenset(() if add.stop.ignore_eos else add.stop.eos_token_ids)
@@ -63,7 +63,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.block_keys: list[BlockKey] = []
         self.known_to_worker = False  # the worker holds persistent state for it
-        self.sent_first_delta = False
+        # a continuation's first token was streamed by a previous scheduler: no first-token delta
+        self.sent_first_delta = bool(add.output_token_ids)
         self.finish_reason: str | None = None
         self.max_total_tokens = min(max_model_len, len(add.prompt_token_ids) + add.stop.max_tokens)
         self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)

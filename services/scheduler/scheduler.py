@@ -34,6 +34,7 @@ from shared.messages import (
 
 from .admission import check_queue, check_request
 from .ledger import BlockLedger
+from .poison import CrashSuspects
 from .queues import DeadlineHeap, make_waiting_queue
 from .request import Request, RequestStatus
 from .stats import SchedulerCounters, build_stats
@@ -74,6 +75,7 @@ class Scheduler:
         self._finished_for_worker: list[str] = []  # worker-held ids finished since the last plan
         self._preempted_for_worker: list[str] = []  # worker-held ids preempted since the last plan
         self._deltas: defaultdict[str, list[RequestDelta]] = defaultdict(list)
+        self.suspects = CrashSuspects(config.max_request_crashes)  # poison requests (poison.py)
         self._config_strs = {k: str(v) for k, v in _config_items(config)}
         self._config_strs.update(num_kv_blocks=str(num_kv_blocks), max_model_len=str(max_model_len))
 
@@ -148,6 +150,7 @@ class Scheduler:
         pending finishes stay in ``finished_req_ids``) so that ranks which did *not*
         restart drop their copies; a restarted rank ignores ids it does not know.
         """
+        present = [r.req_id for r in self.running]
         # Back to the head of the queue in arrival order, ahead of everything never started.
         for req in sorted(self.running, key=lambda r: r.seq, reverse=True):
             self.ledger.free(req.req_id)
@@ -161,6 +164,11 @@ class Scheduler:
         # The restarted worker's KV tensors hold nothing: cached hashes would point at garbage.
         self.ledger.reset_prefix_cache()
         self._plan_time.clear()
+        now = self.clock()
+        for req_id in self.suspects.on_crash(present):  # poison.py: likely the cause of the crashes
+            logger.warning("request ended as a likely cause of worker crashes", extra={"req_id": req_id})
+            self._finish(self.requests[req_id], "error", now,
+                         error=self.suspects.message(self.suspects.max_request_crashes))
 
     # ------------------------------------------------------------------ the step
 
@@ -230,6 +238,8 @@ class Scheduler:
                 continue
             any_finished |= self._on_token(req, token_id, lp, now)
         self.counters.generation_tokens += num_generated
+        if self.suspects:
+            self.suspects.on_step_done(plan.num_scheduled_tokens)
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
 
@@ -283,6 +293,8 @@ class Scheduler:
             self.ledger.free(req.req_id)
         req.finish_reason = reason
         del self.requests[req.req_id]
+        if self.suspects:
+            self.suspects.forget(req.req_id)
         if req.known_to_worker:
             self._finished_for_worker.append(req.req_id)
             req.known_to_worker = False

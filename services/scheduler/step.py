@@ -149,6 +149,8 @@ class StepBuilder:
             req = sched.waiting.peek()
             if req is None or req.req_id in self.preempted:
                 return
+            if sched.suspects and not sched.suspects.may_admit(req.req_id, (r.req_id for r in sched.running)):
+                return  # poison.py: suspects of a worker crash run one at a time
             if len(sched.running) >= max_num_seqs and not self._preempt_for(req):
                 return
             outcome = self._admit(req)

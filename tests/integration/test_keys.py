@@ -65,7 +65,7 @@ def test_keys_cli_round_trip(url: str, capsys: pytest.CaptureFixture[str]) -> No
     assert keys_cli.main(["--redis-url", url, "list"]) == 0
     listing = capsys.readouterr().out
     lines = listing.splitlines()
-    assert lines[0].split() == ["NAME", "PRIORITY", "RPM", "TPM", "CREATED"]
+    assert lines[0].split() == ["NAME", "PRIORITY", "RPM", "TPM", "CREATED", "ADMIN"]
     assert lines[1].split()[:4] == ["alice", "-1", "60", "10000"]
     assert lines[2].split()[:4] == ["bob", "0", "-", "-"]
     assert secret not in listing and bob_secret not in listing

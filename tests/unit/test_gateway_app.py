@@ -179,22 +179,73 @@ def test_non_stream_disconnect_aborts(env: Env, fake: FakeScheduler) -> None:
     wait_until(lambda: rid in fake.aborted(), 5, "abort of a queued stream")
 
 
-def test_scheduler_death_fails_in_flight_and_recovers(env: Env) -> None:
+def test_scheduler_death_holds_in_flight_and_resubmits_it(env: Env) -> None:
     fake = env.start_fake()
     fake.hold = True
     with env.http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         assert resp.status_code == 200  # headers went out after the wait for a first token
         orphan = fake.adds[-1].req_id
         env.stop_fake()
+        wait_until(lambda: env.http.get("/ready").status_code == 503, 30, "not ready without a scheduler")
+        refused = env.http.post("/v1/completions", json=COMPLETION)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "scheduler_unavailable"
+        assert env.http.get("/health").json()["scheduler"]["held"] == 1
+        fake = env.start_fake()  # same endpoint, no gateway restart: the held request is re-sent
         events = sse_events(resp)
-    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "scheduler_unavailable"
-    assert env.http.get("/ready").status_code == 503
-    refused = env.http.post("/v1/completions", json=COMPLETION)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "scheduler_unavailable"
-    fake = env.start_fake()  # same endpoint, no gateway restart
-    assert env.http.post("/v1/completions", json=COMPLETION).status_code == 200
-    wait_until(lambda: orphan in fake.aborted(), 3, "the orphaned request is aborted in the new scheduler")
+    resent = [a for a in fake.adds if a.req_id == orphan + "~r1"]
+    assert len(resent) == 1 and resent[0].output_token_ids == [] and resent[0].prompt_token_ids == env.tok.encode("Hello")
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.text_of(fake.tokens_for(resent[0]))
+    wait_until(lambda: orphan in fake.aborted(), 30, "the orphaned id is aborted in the new scheduler")
+    assert resumed(env, "connection_lost") >= 1
     env.stop_fake()
+
+
+def test_scheduler_death_mid_stream_resumes_with_the_tokens_already_streamed(env: Env) -> None:
+    fake = env.start_fake()
+    fake.tick_s = 0.05
+    req = {**COMPLETION, "max_tokens": 40, "seed": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with env.http.stream("POST", "/v1/completions", json=req) as resp:
+        lines = resp.iter_lines()
+        got: list[Any] = []
+        for line in lines:  # read a few tokens, then kill the scheduler under the stream
+            if line.startswith("data: "):
+                got.append(json.loads(line[len("data: "):]))
+                if len(got) == 5:
+                    break
+        first = fake.adds[-1]
+        env.stop_fake()
+        fake = env.start_fake()
+        rest = sse_events_from(lines)
+    events = got + rest
+    cont = next(a for a in fake.adds if a.req_id.startswith(first.req_id + "~r"))
+    assert 5 <= len(cont.output_token_ids) < 40
+    assert cont.output_token_ids == fake.tokens_for(first)[:len(cont.output_token_ids)]
+    assert cont.stop == first.stop and cont.sampling == first.sampling and cont.arrival_time == first.arrival_time
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == env.text_of(fake.tokens_for(first))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 40
+    snapshot = env.http.get("/dashboard/data").json()
+    assert any("resumed" in ev["text"] for ev in snapshot["events"])
+    env.stop_fake()
+
+
+def resumed(env: Env, cause: str) -> float:
+    """ferry:requests_resumed_total{cause=...} as scraped."""
+    for line in env.http.get("/metrics").text.splitlines():
+        if line.startswith("ferry:requests_resumed_total{") and f'cause="{cause}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no ferry:requests_resumed_total series for {cause}")
+
+
+def sse_events_from(lines: Iterator[str]) -> list[Any]:
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
 
 
 def test_silent_scheduler_is_down_until_it_speaks_again(env: Env, fake: FakeScheduler) -> None:
@@ -238,3 +289,56 @@ def test_streamed_queue_timeout_is_counted_once_with_the_status_the_client_got(e
     assert events[-2]["error"]["code"] == "queue_timeout" and events[-1] == "[DONE]"
     after = rejected("queue_timeout", "200"), rejected("queue_timeout", "503")
     assert (after[0] - before[0], after[1] - before[1]) == (1.0, 0.0)
+
+
+def test_a_new_scheduler_incarnation_without_a_drop_resumes_in_flight_requests(env: Env) -> None:
+    """A scheduler restarted so fast that no disconnect was seen announces a new incarnation:
+    the requests the old one held are gone, so they are re-sent as continuations."""
+    fake = env.start_fake()
+    fake.tick_s = 0.05
+    req = {**COMPLETION, "max_tokens": 30, "stream": True}
+    with env.http.stream("POST", "/v1/completions", json=req) as resp:
+        lines = resp.iter_lines()
+        got = []
+        for line in lines:
+            if line.startswith("data: "):
+                got.append(json.loads(line[len("data: "):]))
+                if len(got) == 3:
+                    break
+        first = fake.adds[-1]
+        fake.incarnation = "reborn"  # the same socket, a "new process"
+        rest = sse_events_from(lines)
+    events = got + rest
+    cont = next(a for a in fake.adds if a.req_id == first.req_id + "~r1")
+    assert len(cont.output_token_ids) >= 3
+    wait_until(lambda: first.req_id in fake.aborted(), 30, "the old incarnation's id is aborted")
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.text_of(fake.tokens_for(first))
+    assert resumed(env, "new_incarnation") >= 1
+    env.stop_fake()
+
+
+def start_held(env: Env) -> FakeScheduler:
+    """A fake scheduler that holds every request from the first instant (no token ever)."""
+    env.fake = FakeScheduler(env.endpoint, env.script)
+    env.fake.hold = True
+    wait_until(lambda: env.http.get("/ready").status_code == 200, 30, "gateway ready")
+    return env.fake
+
+
+def test_a_request_is_resumed_at_most_max_resumes_times(env: Env) -> None:
+    max_resumes = env.app.state.gateway.config.max_resumes
+    fake = start_held(env)
+    with env.http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+        wait_until(lambda: bool(fake.adds), 30, "the request reached the scheduler")
+        rid = fake.adds[-1].req_id
+        for k in range(1, max_resumes + 1):
+            env.stop_fake()
+            fake = start_held(env)
+            wait_until(lambda k=k, f=fake: any(a.req_id == f"{rid}~r{k}" for a in f.adds), 30, f"resume {k}")
+        env.stop_fake()  # one loss more than it may survive
+        fake = start_held(env)
+        events = sse_events(resp)
+    error = events[-2]["error"]
+    assert error["code"] == "scheduler_unavailable" and f"max_resumes={max_resumes}" in error["message"]
+    assert not any(a.req_id == f"{rid}~r{max_resumes + 1}" for a in fake.adds)
+    env.stop_fake()

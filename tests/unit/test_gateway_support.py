@@ -119,7 +119,7 @@ class GatewayEnv:
         self.endpoint = f"ipc://{tmp}/gateway.sock"
         self.script = self.tok.encode(SCRIPT_TEXT, add_special_tokens=False)
         cfg = GatewayConfig(model=str(folder), served_model_name="tiny", scheduler_endpoint=self.endpoint,
-                            heartbeat_interval_s=0.2, scheduler_timeout_s=2.0)
+                            heartbeat_interval_s=0.2, scheduler_timeout_s=2.0, resume_timeout_s=3.0)
         self.app = build_app(cfg, self.tok)
         self.server = GatewayServer(self.app)
         self.http = httpx.Client(base_url=self.server.url, timeout=10)

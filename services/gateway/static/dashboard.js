@@ -114,6 +114,7 @@
     $("stale-badge").hidden = !e.stale;
 
     fillBody($("health"), (s.health || []).map(healthRow));
+    fillBody($("events"), (s.events || []).map((ev) => [new Date(ev.time * 1000).toLocaleTimeString(), ev.text]));
     fillBody($("processes"), (s.processes || []).map((p) =>
       [p.name, fmtBytes(p.rss_bytes), fmtBytes(p.peak_rss_bytes), fmtBytes(p.device_memory_peak_bytes)]));
     fillBody($("running-table"), (s.running || []).map(reqRow));
