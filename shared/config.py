@@ -133,6 +133,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """On SIGTERM: stop accepting, give in-flight requests this long to finish, then abort them."""
     max_inflight_requests: int = 2048
     """Generation requests this gateway serves at once; one more is a 429 before any work (0: unbounded)."""
+    tool_call_parser: str = "hermes"
+    """How tool_choice 'auto' output becomes tool_calls (vLLM's names): hermes, llama3_json, mistral."""
 
 
 # ---------------------------------------------------------------------------

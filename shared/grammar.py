@@ -96,8 +96,9 @@ def _check_finite_schema(schema: Mapping[str, Any]) -> None:
         ref = node.get("$ref")
         if isinstance(ref, str):
             out.append(ref)
-        required = node.get("required") if isinstance(node.get("required"), list) else []
-        props = node.get("properties") if isinstance(node.get("properties"), Mapping) else {}
+        required_raw, props_raw = node.get("required"), node.get("properties")
+        required: list[Any] = required_raw if isinstance(required_raw, list) else []
+        props: Mapping[str, Any] = props_raw if isinstance(props_raw, Mapping) else {}
         for name in required:
             out += must_refs(props.get(name))
         for sub in node.get("allOf") or []:

@@ -35,7 +35,9 @@ from services.gateway.auth import Admission
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, retry_after_header
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.structured import checker_of
 from services.gateway.tokenizer import GatewayTokenizer, load_gateway_tokenizer
+from services.gateway.tools import make_parser
 from services.gateway.validation import ServingLimits
 from shared.config import GatewayConfig, config_as_dict
 
@@ -159,7 +161,8 @@ class GatewayState:
         return self.engine.max_model_len or self.tokenizer.max_position_embeddings
 
     def limits(self) -> ServingLimits:
-        return ServingLimits(self.served_names, self.config.max_n, self.max_model_len())
+        return ServingLimits(self.served_names, self.config.max_n, self.max_model_len(),
+                             tool_call_parser=self.config.tool_call_parser)
 
     def health(self) -> dict[str, Any]:
         ready, reason = self.engine.readiness()
@@ -201,6 +204,8 @@ def build_state(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None
                 gateway_id: str | None = None) -> GatewayState:
     gid = gateway_id or new_gateway_id()
     tok = tokenizer or load_gateway_tokenizer(config.model, config.cache_dir)
+    make_parser(config.tool_call_parser)  # an unknown name fails at start, not on the first request
+    checker_of(tok).warm()
     model_name = config.served_model_name or config.model
     metrics_ = GatewayMetrics(model_name, config.metrics_compat == "vllm",
                               max_model_len=tok.max_position_embeddings or 32768)

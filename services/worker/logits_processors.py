@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -108,7 +108,7 @@ def has_constraints(p: SamplingParams) -> bool:
     return bool(p.grammar or p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids)
 
 
-class _RequestStateLike:
+class _RequestStateLike(Protocol):
     """What ``for_step`` reads of a worker request (services/worker/batch.py's RequestState)."""
 
     req_id: str
