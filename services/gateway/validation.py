@@ -157,7 +157,7 @@ def _constraints(req: SamplingFields, tok: GatewayTokenizer, forced: str = "") -
         if grammar:
             raise bad_request("a forced tool_choice already constrains the output; drop the structured-output "
                               "field", param)
-        grammar, param = forced, "tool_choice"
+        grammar, param = forced, "tools"  # compiled from the tools' parameters schemas
     if grammar:
         if req.ignore_eos:
             raise bad_request("ignore_eos cannot be combined with a grammar (the grammar ends at EOS)", "ignore_eos")
