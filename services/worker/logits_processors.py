@@ -122,6 +122,7 @@ class _Grammar:
     pending: Future[LLMatcher] | None
     matcher: LLMatcher | None = None
     num_consumed: int = 0  # output tokens fed to the matcher
+    failed: bool = False  # the grammar did not compile here: the request may only end
 
 
 class ConstraintTracker:
@@ -174,12 +175,18 @@ class ConstraintTracker:
         g = self._grammars.get(s.req_id)
         if g is None:  # not announced through sync (a unit test, or a plan this worker missed)
             g = self._grammars[s.req_id] = _Grammar(None)
+        if g.failed:
+            return self._eos_only()
         if g.matcher is None:
             try:
                 g.matcher = g.pending.result() if g.pending is not None else \
                     self._cache.result().matcher(s.sampling.grammar)
-            except GrammarError as e:  # the gateway checked it; reaching here is a version skew
-                raise RuntimeError(f"request {s.req_id}: its grammar does not compile: {e}") from e
+            except GrammarError as e:
+                # The gateway compiled it; reaching here means a version skew. Failing the step would
+                # take the worker (and every request) down: end this request at once instead.
+                log.error("request %s: its grammar does not compile here, ending it: %s", s.req_id, e)
+                g.failed, g.pending = True, None
+                return self._eos_only()
             g.pending = None
             g.num_consumed = 0
         if g.num_consumed != len(outputs):  # (re)added: replay what it already output
@@ -191,6 +198,12 @@ class ConstraintTracker:
                             g.matcher.get_error())
             g.num_consumed = len(outputs)
         return bytes(g.matcher.compute_bitmask())
+
+    def _eos_only(self) -> bytes:
+        tok = self._cache.result().tokenizer
+        bits = np.zeros(-(-tok.vocab_size // 32) * 32, dtype=np.uint8)
+        bits[list(tok.eos_tokens)] = 1
+        return np.packbits(bits, bitorder="little").tobytes()
 
     def advance(self, states: Sequence[_RequestStateLike], tokens: Sequence[int]) -> None:
         for s, token in zip(states, tokens, strict=True):

@@ -185,3 +185,14 @@ def test_grammar_cache_is_bounded_and_remembers_failures() -> None:
     m2 = cache.matcher(regex_grammar("x2"))  # a copy in the initial state, not the advanced one
     assert not m2.is_stopped() and m1 is not m2
     assert json.loads(json.dumps(cache.num_hits)) >= 1
+
+
+def test_a_grammar_that_fails_in_the_worker_ends_its_request_instead_of_the_worker() -> None:
+    tracker = ConstraintTracker(_tokenizer)
+    plan = _plan(0, new_requests=[_new("r", regex_grammar("[a-"))])
+    tracker.sync(plan)
+    batch = BatchState(16)
+    batch.apply(plan)
+    cons = tracker.for_step([batch.requests["r"]])
+    assert cons is not None and _allowed(cons[0].grammar_bitmask) == {EOS}  # type: ignore[union-attr,arg-type]
+    tracker.close()
