@@ -101,9 +101,11 @@ def _check_finite_schema(schema: Mapping[str, Any]) -> None:
         props: Mapping[str, Any] = props_raw if isinstance(props_raw, Mapping) else {}
         for name in required:
             out += must_refs(props.get(name))
-        for sub in node.get("allOf") or []:
+        all_of = node.get("allOf")
+        for sub in all_of if isinstance(all_of, list) else []:
             out += must_refs(sub)
-        if isinstance(node.get("minItems"), int) and node["minItems"] > 0:
+        min_items = node.get("minItems")
+        if isinstance(min_items, int) and min_items > 0:
             out += must_refs(node.get("items"))
         return out
 
@@ -115,8 +117,11 @@ def _check_finite_schema(schema: Mapping[str, Any]) -> None:
             for nxt in must_refs(defs[ref]):
                 visit(nxt, [*path, ref])
 
-    for ref in must_refs(schema):
-        visit(ref, ["#"])
+    try:
+        for ref in must_refs(schema):
+            visit(ref, ["#"])
+    except RecursionError:
+        raise GrammarError("the schema is nested too deeply") from None
 
 
 # ---------------------------------------------------------------------------
