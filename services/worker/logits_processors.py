@@ -83,12 +83,15 @@ def apply_constraints(logits: torch.Tensor, constraints: Sequence[RowConstraint 
             masks.append(c.grammar_bitmask)
     if grammar_rows:
         packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), -1)
-        allowed = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].astype(bool)
-        if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
-            allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
-        idx = torch.tensor(grammar_rows, dtype=torch.long, device=logits.device)
-        forbid = torch.from_numpy(~allowed).to(logits.device)
-        logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(forbid, float("-inf")))
+        bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab]
+        if bits.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
+            bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+        forbid = (torch.from_numpy(bits) == 0).to(logits.device)  # [num_grammar_rows, vocab]
+        if len(grammar_rows) == logits.shape[0]:
+            logits.masked_fill_(forbid, float("-inf"))
+        else:
+            for j, i in enumerate(grammar_rows):
+                logits[i].masked_fill_(forbid[j], float("-inf"))
     return logits
 
 
