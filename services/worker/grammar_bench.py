@@ -128,6 +128,42 @@ def step_times(model: str, dtype: str, batch: int, steps: int, threads: int, rou
     return out
 
 
+def constraint_cpu(tok: Any, batch: int, steps: int) -> dict[str, dict[str, float]]:
+    """CPU time (this thread, torch at 1 thread) of the constraint work alone per decode step:
+    masks (``for_step``), ``apply_constraints`` on [batch, vocab] logits, and ``advance``."""
+    import torch
+
+    from services.worker.batch import BatchState
+    from services.worker.logits_processors import ConstraintTracker, apply_constraints
+    from shared.messages import NewRequestData, StepPlan
+
+    torch.set_num_threads(1)
+    grammar = json_schema_grammar(DECODE_SCHEMA)
+    out: dict[str, dict[str, float]] = {}
+    for k in (0, 1, batch):
+        tracker = ConstraintTracker(lambda: tok)
+        state = BatchState(16)
+        plan = StepPlan(step_id=0, new_requests=[NewRequestData(
+            req_id=f"r{i}", prompt_token_ids=[1, 2], block_ids=list(range(64)), num_computed_tokens=0,
+            sampling=SamplingParams(temperature=0.0, grammar=grammar if i < k else "")) for i in range(batch)])
+        state.apply(plan)
+        tracker.sync(plan)
+        states = list(state.requests.values())
+        times: list[float] = []
+        for _ in range(steps):
+            logits = torch.randn(batch, tok.vocab_size)
+            t0 = time.thread_time()
+            apply_constraints(logits, tracker.for_step(states))
+            tokens = logits.argmax(dim=-1).tolist()
+            tracker.advance(states, tokens)
+            times.append(time.thread_time() - t0)
+            for s, t in zip(states, tokens, strict=True):
+                s.append_token(t)
+        tracker.close()
+        out[f"{k}_of_{batch}_constrained"] = {"cpu_ms_median": 1000 * statistics.median(times[2:])}
+    return out
+
+
 def _cpu() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -158,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": _cpu(), "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "tokenizer_load_s": tokenizer_load_s, "compile": compile_times(tok, args.repeats),
     }
+    report["constraint_cpu"] = constraint_cpu(tok, args.batch, 60)
+    print("constraint CPU per step:", report["constraint_cpu"], flush=True)
     report["step"] = step_times(args.model, args.dtype, args.batch, args.steps, args.threads, args.rounds)
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
