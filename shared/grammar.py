@@ -28,6 +28,8 @@ from typing import Any
 import llguidance
 from llguidance import LLMatcher, LLTokenizer
 
+from shared.lark_check import endless_rules
+
 # Compact JSON (no free whitespace): a model cannot wander off into endless blanks, and the
 # output is what clients expect to parse. The same options everywhere, so the gateway's check
 # and the worker's compile agree.
@@ -74,6 +76,10 @@ def ebnf_grammar(text: str) -> str:
             text = gbnf_to_lark(text)
         except Exception as e:  # noqa: BLE001 - the converter raises bare exceptions on bad input
             raise GrammarError(f"invalid GBNF grammar: {e}") from e
+    endless = endless_rules(text)
+    if endless:
+        raise GrammarError(f"the grammar can never be completed: {', '.join(endless)} "
+                           "have no finite expansion (every alternative recurses)")
     return str(LLMatcher.grammar_from_lark(text))
 
 

@@ -195,6 +195,7 @@ def test_logit_bias_and_allowed_token_ids_on_the_wire(client: openai.OpenAI, clu
                       "$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/a"}},
                                       "required": ["b"]}}}}, "never be completed"),
     ({"structured_outputs": {"grammar": "start: foo"}}, "foo"),
+    ({"structured_outputs": {"grammar": 'root ::= "x" root'}}, "never be completed"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "not several"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
     ({"logit_bias": {"5": 101}}, "[-100, 100]"),
