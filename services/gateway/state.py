@@ -35,7 +35,6 @@ from services.gateway.auth import Admission
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, retry_after_header
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.structured import checker_of
 from services.gateway.tokenizer import GatewayTokenizer, load_gateway_tokenizer
 from services.gateway.tools import make_parser
 from services.gateway.validation import ServingLimits
@@ -205,7 +204,6 @@ def build_state(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None
     gid = gateway_id or new_gateway_id()
     tok = tokenizer or load_gateway_tokenizer(config.model, config.cache_dir)
     make_parser(config.tool_call_parser)  # an unknown name fails at start, not on the first request
-    checker_of(tok).warm()
     model_name = config.served_model_name or config.model
     metrics_ = GatewayMetrics(model_name, config.metrics_compat == "vllm",
                               max_model_len=tok.max_position_embeddings or 32768)

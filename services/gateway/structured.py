@@ -42,7 +42,11 @@ MAX_LOGIT_BIAS = 100.0
 
 
 class GrammarChecker:
-    """Compiles grammars against one model's tokenizer; remembers the ones that passed (bounded)."""
+    """Compiles grammars against one model's tokenizer; remembers the ones that passed (bounded).
+
+    The tokenizer view loads (~1 s) on the first grammar request, which validates off the
+    event loop (serving.py): gateways that never see a grammar never pay for it.
+    """
 
     def __init__(self, folder: Path, vocab_size: int, eos_token_ids: Sequence[int], max_entries: int = 1024) -> None:
         self._args = (folder, vocab_size, list(eos_token_ids))
@@ -50,10 +54,6 @@ class GrammarChecker:
         self._lock = threading.Lock()
         self._ok: OrderedDict[str, None] = OrderedDict()
         self.max_entries = max_entries
-
-    def warm(self) -> None:
-        """Load the tokenizer view (~1 s) in a side thread, before the first grammar request."""
-        threading.Thread(target=self._tok, name="grammar-tokenizer", daemon=True).start()
 
     def _tok(self) -> Any:
         with self._lock:
