@@ -82,7 +82,10 @@ def apply_constraints(logits: torch.Tensor, constraints: Sequence[RowConstraint 
             grammar_rows.append(i)
             masks.append(c.grammar_bitmask)
     if grammar_rows:
-        packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), -1)
+        # llguidance pads its masks past the vocabulary; every row is cut (or padded) to one width
+        width = -(-vocab // 32) * 4
+        rows = [m[:width] if len(m) >= width else m + bytes(width - len(m)) for m in masks]
+        packed = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), width)
         bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab]
         if bits.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
             bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
@@ -200,6 +203,8 @@ class ConstraintTracker:
                 log.warning("request %s: its output tokens do not fit its grammar: %s", s.req_id,
                             g.matcher.get_error())
             g.num_consumed = len(outputs)
+        if g.matcher.is_stopped():  # complete (or broken): it may only end, e.g. EOS kept by min_tokens
+            return self._eos_only()
         return bytes(g.matcher.compute_bitmask())
 
     def _eos_only(self) -> bytes:

@@ -115,3 +115,13 @@ def test_bad_words_and_allowed_token_ids_shape_greedy_output() -> None:
     bias = llm.generate([[1, 2, 3]], GenerationParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                                                       logit_bias=((4242, 100.0),)))[0].token_ids
     assert bias == [4242] * 4
+
+
+def test_min_tokens_past_a_complete_grammar_pads_with_eos_and_stops() -> None:
+    from shared.grammar import regex_grammar
+
+    out = _roomy().generate([[1, 2, 3]], GenerationParams(max_tokens=20, temperature=0.0, min_tokens=5,
+                                                          grammar=regex_grammar("ab")))[0]
+    eos = _roomy().runner.eos_token_ids
+    assert out.finish_reason == "stop" and out.text == "ab"
+    assert len(out.token_ids) == 5 and all(t in eos for t in out.token_ids[-3:])

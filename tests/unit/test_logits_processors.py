@@ -196,3 +196,17 @@ def test_a_grammar_that_fails_in_the_worker_ends_its_request_instead_of_the_work
     cons = tracker.for_step([batch.requests["r"]])
     assert cons is not None and _allowed(cons[0].grammar_bitmask) == {EOS}  # type: ignore[union-attr,arg-type]
     tracker.close()
+
+
+def test_masks_of_different_widths_line_up_by_row() -> None:
+    # llguidance's masks are wider than the vocabulary; an EOS-only mask may be exactly as wide
+    vocab = 64
+    wide = np.zeros(160, dtype=np.uint8)
+    wide[[3, 100]] = 1
+    narrow = np.zeros(64, dtype=np.uint8)
+    narrow[[5]] = 1
+    logits = torch.zeros(2, vocab)
+    apply_constraints(logits, [RowConstraint(grammar_bitmask=np.packbits(wide, bitorder="little").tobytes()),
+                               RowConstraint(grammar_bitmask=np.packbits(narrow, bitorder="little").tobytes())])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [5]
