@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from shared.grammar import GrammarCache, GrammarError
+from shared.grammar import GrammarCache
 from shared.messages import SamplingParams, StepPlan
 
 log = logging.getLogger("ferry.worker.constraints")
@@ -134,12 +134,15 @@ class _Grammar:
 class ConstraintTracker:
     """Per-request grammar matchers of one worker, kept in step with the batch state."""
 
-    def __init__(self, load_tokenizer: Callable[[], LLTokenizer], max_cached_grammars: int = 256) -> None:
+    def __init__(self, load_tokenizer: Callable[[], LLTokenizer], max_cached_grammars: int = 256,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         # The tokenizer loads (~1 s) in the side thread from start-up, before any grammar needs it.
         self._cache: Future[GrammarCache] = self._executor.submit(
             lambda: GrammarCache(load_tokenizer(), max_cached_grammars))
         self._grammars: dict[str, _Grammar] = {}
+        self._fallback_eos = list(eos_token_ids)  # when even the tokenizer view failed to load
+        self._eos_ids: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self._grammars)
@@ -187,9 +190,10 @@ class ConstraintTracker:
             try:
                 g.matcher = g.pending.result() if g.pending is not None else \
                     self._cache.result().matcher(s.sampling.grammar)
-            except GrammarError as e:
-                # The gateway compiled it; reaching here means a version skew. Failing the step would
-                # take the worker (and every request) down: end this request at once instead.
+            except Exception as e:  # noqa: BLE001 - GrammarError, or the tokenizer view failed to load
+                # The gateway compiled it; reaching here means a version skew or a broken tokenizer
+                # folder. Failing the step would take the worker (and every request) down, again
+                # after each restart: end this request at once instead.
                 log.error("request %s: its grammar does not compile here, ending it: %s", s.req_id, e)
                 g.failed, g.pending = True, None
                 return self._eos_only()
@@ -208,10 +212,12 @@ class ConstraintTracker:
         return bytes(g.matcher.compute_bitmask())
 
     def _eos_only(self) -> bytes:
-        tok = self._cache.result().tokenizer
-        bits = np.zeros(-(-tok.vocab_size // 32) * 32, dtype=np.uint8)
-        bits[list(tok.eos_tokens)] = 1
-        return np.packbits(bits, bitorder="little").tobytes()
+        if self._eos_ids is None:
+            self._eos_ids = list(self._cache.result().tokenizer.eos_tokens) if self._cache.exception() is None \
+                else list(self._fallback_eos)
+        bits = np.zeros(-(-(max(self._eos_ids, default=0) + 1) // 32) * 32, dtype=np.uint8)
+        bits[self._eos_ids] = 1
+        return np.packbits(bits, bitorder="little").tobytes()  # apply_constraints pads it to the vocabulary
 
     def advance(self, states: Sequence[_RequestStateLike], tokens: Sequence[int]) -> None:
         for s, token in zip(states, tokens, strict=True):

@@ -92,7 +92,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         eos, vocab, model = self.eos_token_ids, self.vocab_size, config.model
         self.constraints = ConstraintTracker(
-            lambda: load_tokenizer(tokenizer_dir(resolve_model(model), config.cache_dir), vocab, eos))
+            lambda: load_tokenizer(tokenizer_dir(resolve_model(model), config.cache_dir), vocab, eos),
+            eos_token_ids=eos)
 
     def _kv_budget(self, config_dict: dict) -> int:
         if self.device.type != "cuda":

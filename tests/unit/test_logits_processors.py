@@ -210,3 +210,20 @@ def test_masks_of_different_widths_line_up_by_row() -> None:
                                RowConstraint(grammar_bitmask=np.packbits(narrow, bitorder="little").tobytes())])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [5]
+
+
+def test_a_worker_without_a_tokenizer_view_ends_grammar_requests_and_keeps_serving() -> None:
+    def broken() -> None:
+        raise FileNotFoundError("no tokenizer.json")
+
+    tracker = ConstraintTracker(broken, eos_token_ids=[EOS])  # type: ignore[arg-type]
+    plan = _plan(0, new_requests=[_new("r", regex_grammar("ab"))])
+    tracker.sync(plan)
+    batch = BatchState(16)
+    batch.apply(plan)
+    cons = tracker.for_step([batch.requests["r"]])
+    assert cons is not None and _allowed(cons[0].grammar_bitmask) == {EOS}  # type: ignore[union-attr,arg-type]
+    logits = torch.zeros(1, VOCAB)
+    apply_constraints(logits, cons)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]
+    tracker.close()
