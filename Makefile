@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint unit bench-scheduler bench-offline bench-gateway bench-smoke clean browser
+.PHONY: install run test lint unit bench-scheduler bench-offline bench-gateway bench-grammar bench-smoke clean browser
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ bench-offline: install
 
 bench-gateway: install
 	$(PY) -m services.gateway.bench --out results/bench-gateway.json
+
+# Structured outputs: decode step time with 0, 1 and all requests under a grammar; grammar compile times.
+bench-grammar: install
+	@mkdir -p results
+	$(PY) -m services.worker.grammar_bench --batch 8 --steps 24 --out results/bench-grammar.json
 
 # Load-test smoke run against a running server (default: `make run`'s); writes results/bench-smoke/board.md.
 BENCH_URL ?= http://127.0.0.1:8000

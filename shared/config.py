@@ -155,6 +155,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Items in any one JSON list of a request body (token ids, allowed_token_ids, ...)."""
     body_timeout_s: float = 30.0
     """A request body that takes longer than this to arrive is refused with 408."""
+    tool_call_parser: str = "hermes"
+    """How tool_choice 'auto' output becomes tool_calls (vLLM's names): hermes, llama3_json, mistral."""
 
 
 # ---------------------------------------------------------------------------

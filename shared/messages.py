@@ -37,6 +37,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; 0: sampled token only; N: plus top-N
+    # Token constraints (services/worker/logits_processors.py), applied after penalties.
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (OpenAI's, in [-100, 100])
+    allowed_token_ids: list[int] = []  # non-empty: every other token is masked out
+    bad_words_token_ids: list[list[int]] = []  # a sequence's last token is masked when the rest was just output
+    # An llguidance grammar (JSON, from shared/grammar.py); "" means unconstrained. The worker
+    # compiles it once per distinct text and masks each sampled token to what it allows.
+    grammar: str = ""
 
 
 class StopParams(msgspec.Struct, frozen=True, omit_defaults=True):

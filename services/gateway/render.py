@@ -16,6 +16,7 @@ from typing import Any
 
 from services.gateway.generation import ChoiceEvent
 from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.tools import ParsedCall, ToolParser, ToolStream, calls_json
 from shared.messages import SampleLogprobs, TokenLogprob
 
 
@@ -134,6 +135,18 @@ class ChatRenderer(Renderer):
             entry["top_logprobs"] = [self._token(t) for t in lp.top]
             acc.chat_logprobs.append(entry)
 
+    tool_parser: ToolParser | None = None
+    tool_streams: list[ToolStream] | None = None
+
+    def use_tools(self, parser: ToolParser) -> None:
+        """Read each choice's output into ``tool_calls`` with ``parser`` (tools.py)."""
+        self.tool_parser = parser
+        self.tool_streams = [ToolStream(parser) for _ in self.acc]
+
+    @staticmethod
+    def _finish(reason: str | None, calls: list[ParsedCall]) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else reason
+
     def role_chunk(self, index: int) -> dict[str, Any]:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
@@ -143,14 +156,33 @@ class ChatRenderer(Renderer):
         acc = self.acc[ev.index]
         start = len(acc.chat_logprobs)
         self.add(ev)
-        delta: dict[str, Any] = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+        finish = ev.finish_reason
+        if self.tool_streams is not None:
+            stream = self.tool_streams[ev.index]
+            content, calls = stream.feed(ev.text, final=ev.finish_reason is not None)
+            delta: dict[str, Any] = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls_json(calls, stream.ids, with_index=True)
+            finish = self._finish(finish, calls)
+        else:
+            delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
         choice = {"index": ev.index, "delta": delta,
                   "logprobs": {"content": acc.chat_logprobs[start:]} if self.logprobs else None,
-                  "finish_reason": ev.finish_reason}
+                  "finish_reason": finish}
         return self._chunk_of(choice, usage)
 
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(a.text)},
-                    "logprobs": {"content": a.chat_logprobs} if self.logprobs else None,
-                    "finish_reason": a.finish_reason} for i, a in enumerate(self.acc)]
+        choices = []
+        for i, a in enumerate(self.acc):
+            text = "".join(a.text)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            calls: list[ParsedCall] = []
+            if self.tool_parser is not None:
+                content, calls = self.tool_parser.parse(text)
+                if calls:
+                    message = {"role": "assistant", "content": content if content.strip() else None,
+                               "tool_calls": calls_json(calls, [], with_index=False)}
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": a.chat_logprobs} if self.logprobs else None,
+                            "finish_reason": self._finish(a.finish_reason, calls)})
         return {**self._envelope(self.object_name), "choices": choices, "usage": usage}

@@ -41,6 +41,7 @@ from services.gateway.generation import ChoiceEvent, Generation
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.render import ChatRenderer, CompletionRenderer, Renderer, sse
 from services.gateway.state import GatewayState, InflightSlot, state_of
+from services.gateway.structured import wants_grammar
 from services.gateway.validation import GenerationSpec, validate_chat, validate_completion
 
 log = logging.getLogger("ferry.gateway.requests")
@@ -59,7 +60,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     st = state_of(request)
 
     def size() -> int:
-        return len(body.prompt) if isinstance(body.prompt, str) else sum(len(str(p)) for p in body.prompt)
+        chars = len(body.prompt) if isinstance(body.prompt, str) else sum(len(str(p)) for p in body.prompt)
+        return chars + _grammar_weight(body)
 
     return await _handle(st, request, size, lambda: validate_completion(body, st.tokenizer, st.limits()),
                          CompletionRenderer, "cmpl", "completions")
@@ -68,8 +70,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     st = state_of(request)
-    return await _handle(st, request, lambda: sum(len(m.text()) for m in body.messages),
+    return await _handle(st, request, lambda: sum(len(m.text()) for m in body.messages) + _grammar_weight(body),
                          lambda: validate_chat(body, st.tokenizer, st.limits()), ChatRenderer, "chatcmpl", "chat")
+
+
+def _grammar_weight(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """Compiling a grammar can take long (large schemas): such a request validates off the event loop."""
+    return TOKENIZE_IN_THREAD_CHARS + 1 if wants_grammar(body) else 0
 
 
 async def _handle(st: GatewayState, request: Request, size: Callable[[], int],
@@ -87,6 +94,8 @@ async def _handle(st: GatewayState, request: Request, size: Callable[[], int],
         spec = await _maybe_in_thread(size(), validate)
         renderer = renderer_cls(st.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}", st.model_name,
                                 spec.num_choices, spec.logprobs is not None)
+        if isinstance(renderer, ChatRenderer) and spec.tool_plan is not None and spec.tool_plan.parser is not None:
+            renderer.use_tools(spec.tool_plan.parser)
         return await _serve(st, request, spec, renderer, endpoint, slot, received)
     except BaseException:
         slot.release()  # idempotent: a generation that started released it already

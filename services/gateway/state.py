@@ -38,6 +38,7 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, retry_after_header
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.tokenizer import GatewayTokenizer, load_gateway_tokenizer
+from services.gateway.tools import make_parser
 from services.gateway.validation import ServingLimits
 from shared.config import GatewayConfig, config_as_dict
 
@@ -172,7 +173,8 @@ class GatewayState:
                              max_list_items=c.max_list_items, max_token_ids=self.max_model_len())
 
     def limits(self) -> ServingLimits:
-        return ServingLimits(self.served_names, self.config.max_n, self.max_model_len())
+        return ServingLimits(self.served_names, self.config.max_n, self.max_model_len(),
+                             tool_call_parser=self.config.tool_call_parser)
 
     def health(self) -> dict[str, Any]:
         ready, reason = self.engine.readiness()
@@ -236,6 +238,7 @@ def build_state(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None
                 gateway_id: str | None = None) -> GatewayState:
     gid = gateway_id or new_gateway_id()
     tok = tokenizer or load_gateway_tokenizer(config.model, config.cache_dir)
+    make_parser(config.tool_call_parser)  # an unknown name fails at start, not on the first request
     model_name = config.served_model_name or config.model
     metrics_ = GatewayMetrics(model_name, config.metrics_compat == "vllm",
                               max_model_len=tok.max_position_embeddings or 32768)

@@ -12,9 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from services.gateway import structured
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.tokenizer import ChatTemplateError, GatewayTokenizer
+from services.gateway.tools import ToolPlan, plan_tools
+from shared.grammar import GrammarError
 from shared.messages import AddRequest, SamplingParams, StopParams
 
 
@@ -23,6 +28,7 @@ class ServingLimits:
     served_model_names: frozenset[str]
     max_n: int
     max_model_len: int  # 0: unknown, no context check
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" output is read (tools.py)
 
 
 @dataclass
@@ -46,6 +52,7 @@ class GenerationSpec:
     continuous_usage: bool
     logprobs: int | None  # None: none; else top-N alternatives
     eos_token_ids: list[int] = field(default_factory=list)
+    tool_plan: ToolPlan | None = None  # chat with tools: how the output is read into tool_calls
 
     @property
     def num_choices(self) -> int:
@@ -79,9 +86,7 @@ class GenerationSpec:
 
 
 def _with_seed(s: SamplingParams, seed: int) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=seed,
-                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                          repetition_penalty=s.repetition_penalty, logprobs=s.logprobs)
+    return msgspec.structs.replace(s, seed=seed)
 
 
 def check_model(name: str, limits: ServingLimits) -> None:
@@ -97,8 +102,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, tok: GatewayTo
     check_model(req.model, limits)
     if req.n > limits.max_n:
         raise bad_request(f"n={req.n} is more than this server allows (max_n={limits.max_n})", "n")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", code="unsupported")
     if req.top_k is not None and req.top_k > tok.vocab_size:
         raise bad_request(f"top_k={req.top_k} is larger than the vocabulary ({tok.vocab_size})", "top_k")
     for t in req.stop_token_ids or []:
@@ -146,8 +149,25 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, limits: Se
     return requested
 
 
+def _constraints(req: SamplingFields, tok: GatewayTokenizer, forced: str = "") -> dict[str, Any]:
+    """The SamplingParams fields of structured outputs and token constraints, each checked (400s)."""
+    fields = structured.token_constraints(req, tok)
+    grammar, param = structured.request_grammar(req)
+    if forced:
+        if grammar:
+            raise bad_request("a forced tool_choice already constrains the output; drop the structured-output "
+                              "field", param)
+        grammar, param = forced, "tools"  # compiled from the tools' parameters schemas
+    if grammar:
+        if req.ignore_eos:
+            raise bad_request("ignore_eos cannot be combined with a grammar (the grammar ends at EOS)", "ignore_eos")
+        structured.check(tok, grammar, param)
+        fields["grammar"] = grammar
+    return fields
+
+
 def _spec(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], logprobs: int | None,
-          tok: GatewayTokenizer) -> GenerationSpec:
+          tok: GatewayTokenizer, constraints: dict[str, Any] | None = None) -> GenerationSpec:
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -155,7 +175,7 @@ def _spec(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], 
         min_p=req.min_p or 0.0, seed=req.seed,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logprobs=logprobs)
+        logprobs=logprobs, **(constraints or {}))
     opts = req.stream_options
     return GenerationSpec(
         prompts=prompts, n=req.n, max_tokens=max_tokens, sampling=sampling, min_tokens=req.min_tokens,
@@ -201,7 +221,7 @@ def validate_completion(req: CompletionRequest, tok: GatewayTokenizer, limits: S
         raise bad_request(f"{len(prompts)} prompts x n={req.n} is too many choices in one request", "prompt")
     max_tokens = [resolve_max_tokens(len(p), req.max_tokens, limits) for p in prompts]
     _check_min_tokens(req.min_tokens, min(max_tokens))
-    return _spec(req, prompts, max_tokens, req.logprobs, tok)
+    return _spec(req, prompts, max_tokens, req.logprobs, tok, _constraints(req, tok))
 
 
 def render_chat(tok: GatewayTokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -214,28 +234,35 @@ def render_chat(tok: GatewayTokenizer, messages: list[dict[str, Any]], add_gener
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
 
 
-def chat_prompt(req: ChatCompletionRequest, tok: GatewayTokenizer) -> list[int]:
-    text = render_chat(tok, req.template_messages(), req.add_generation_prompt, req.chat_template_kwargs)
+def chat_prompt(req: ChatCompletionRequest, tok: GatewayTokenizer, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
+    text = render_chat(tok, req.template_messages(), req.add_generation_prompt, kwargs)
     # the template writes the special tokens itself; adding them again would double the BOS
     return tok.encode(text, add_special_tokens=False)
 
 
 def validate_chat(req: ChatCompletionRequest, tok: GatewayTokenizer, limits: ServingLimits) -> GenerationSpec:
     _check_common(req, tok, limits)
-    if req.tools:
-        raise bad_request("tools are not supported", "tools", code="unsupported")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("only response_format type 'text' is supported", "response_format", code="unsupported")
+    try:
+        tool_plan = plan_tools(req, limits.tool_call_parser, "tools" in (tok.chat_template or ""))
+    except GrammarError as e:
+        raise bad_request(f"a tool's parameters are not a usable JSON schema: {e}", "tools",
+                          code="invalid_grammar") from e
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
-    prompt = chat_prompt(req, tok)
+    constraints = _constraints(req, tok, tool_plan.grammar)
+    prompt = chat_prompt(req, tok, tool_plan.template_tools)
     _check_prompt_ids(prompt, tok, "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt), requested, limits, param, "messages")
     _check_min_tokens(req.min_tokens, max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _spec(req, [prompt], [max_tokens], logprobs, tok)
+    spec = _spec(req, [prompt], [max_tokens], logprobs, tok, constraints)
+    spec.tool_plan = tool_plan if tool_plan.parser is not None else None
+    return spec

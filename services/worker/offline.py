@@ -55,6 +55,11 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
+    # token constraints (see SamplingParams): an llguidance grammar from shared/grammar.py, and the rest
+    grammar: str = ""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
     def sampling(self) -> SamplingParams:
@@ -62,6 +67,8 @@ class GenerationParams:
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+            logit_bias=dict(self.logit_bias), allowed_token_ids=list(self.allowed_token_ids),
+            bad_words_token_ids=[list(w) for w in self.bad_words_token_ids], grammar=self.grammar,
         )
 
     def stop_params(self, eos_token_ids: list[int]) -> StopParams:

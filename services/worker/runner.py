@@ -26,12 +26,15 @@ import torch
 
 from shared.capacity import gpu_kv_budget_bytes
 from shared.config import WorkerConfig
+from shared.grammar import load_tokenizer
 from shared.messages import StepPlan, StepResult
+from shared.models import resolve_model, tokenizer_dir
 
 from .attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from .batch import BatchState, RequestState
 from .kv_cache import KVCache, num_blocks_for_budget
 from .loader import load_model
+from .logits_processors import ConstraintTracker
 from .sampler import Sampler
 
 log = logging.getLogger("ferry.worker.runner")
@@ -87,6 +90,10 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv.nbytes
         self.batch = BatchState(self.block_size)
         self.sampler = Sampler(self.device)
+        eos, vocab, model = self.eos_token_ids, self.vocab_size, config.model
+        self.constraints = ConstraintTracker(
+            lambda: load_tokenizer(tokenizer_dir(resolve_model(model), config.cache_dir), vocab, eos),
+            eos_token_ids=eos)
 
     def _kv_budget(self, config_dict: dict) -> int:
         if self.device.type != "cuda":
@@ -120,6 +127,7 @@ class ModelRunner:
     # ------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         self.batch.apply(plan)
+        self.constraints.sync(plan)
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id, rank=self.config.rank)
         t0 = time.perf_counter()
@@ -138,6 +146,7 @@ class ModelRunner:
         states = packed.sample_states
         if logits is None:
             return StepResult(step_id=plan.step_id, rank=self.config.rank, forward_s=t1 - t0)
+        constraints = self.constraints.for_step(states)
         with torch.inference_mode():
             tokens, logprobs = self.sampler(
                 logits,
@@ -145,7 +154,10 @@ class ModelRunner:
                 [s.token_ids for s in states],
                 [s.output_counts for s in states],
                 [s.num_output_tokens for s in states],
+                constraints=constraints,
             )
+        if constraints is not None:
+            self.constraints.advance(states, tokens)
         for state, token in zip(states, tokens, strict=True):
             state.append_token(token)
         t2 = time.perf_counter()

@@ -24,6 +24,8 @@ import torch
 
 from shared.messages import SampleLogprobs, SamplingParams, TokenLogprob
 
+from .logits_processors import RowConstraint, apply_constraints
+
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs apart
 _MASK63 = (1 << 63) - 1
 
@@ -47,11 +49,13 @@ class Sampler:
         token_ids: Sequence[Sequence[int]],  # prompt + outputs, per row (for penalties)
         output_counts: Sequence[dict[int, int]],  # per row
         num_output_tokens: Sequence[int],
+        constraints: Sequence[RowConstraint | None] | None = None,  # per row; None: unconstrained batch
     ) -> tuple[list[int], list[SampleLogprobs | None]]:
         logits = logits.float()
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, params, token_ids, output_counts)
+        logits = apply_constraints(logits, constraints)
         greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
         if not random_rows:  # the common all-greedy batch: no row gathering, no copies

@@ -7,7 +7,8 @@ import pytest
 
 from shared import messages as m
 
-SP = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=7, logprobs=2)
+SP = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=7, logprobs=2, logit_bias={5: -1.5, 9: 100.0},
+                      allowed_token_ids=[1, 2], bad_words_token_ids=[[3], [4, 5]], grammar='{"grammars": []}')
 STOP = m.StopParams(max_tokens=16, min_tokens=2, eos_token_ids=[2], stop_token_ids=[5], ignore_eos=True)
 LP = m.SampleLogprobs(sampled=m.TokenLogprob(3, -0.5), top=[m.TokenLogprob(3, -0.5), m.TokenLogprob(4, -1.5)])
 
