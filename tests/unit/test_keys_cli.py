@@ -42,5 +42,5 @@ def test_keys_cli_reaches_a_redis_given_after_the_subcommand(capsys: pytest.Capt
         server.stop()
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ferry-")  # the secret, once
-    assert out[1].split() == ["NAME", "PRIORITY", "RPM", "TPM", "CREATED"]
+    assert out[1].split() == ["NAME", "PRIORITY", "RPM", "TPM", "CREATED", "ADMIN"]
     assert out[2].split()[:4] == ["alice", "0", "5", "-"]
