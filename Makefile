@@ -39,7 +39,7 @@ bench-scheduler: install
 
 # Offline throughput: ferry's engine vs transformers generate and continuous batching (minutes).
 bench-offline: install
-	$(PY) -m services.worker.bench_offline --threads 2 --out results/bench-offline.json
+	$(PY) -m services.engine.bench_offline --threads 2 --out results/bench-offline.json
 
 bench-gateway: install
 	$(PY) -m services.gateway.bench --out results/bench-gateway.json

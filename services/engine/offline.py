@@ -1,6 +1,6 @@
 """The offline engine: scheduler and model runner in one process, for batch jobs and tests.
 
-    from services.worker.offline import LLM, GenerationParams
+    from services.engine.offline import LLM, GenerationParams
     llm = LLM(model="smollm2-135m-instruct", dtype="float32", kv_cache_memory=256 << 20)
     outs = llm.generate(["Once upon a time"], GenerationParams(max_tokens=32, temperature=0))
     outs = llm.chat([[{"role": "user", "content": "Hi"}]], GenerationParams(max_tokens=32))
@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from services.scheduler.scheduler import Scheduler
+from services.worker.runner import ModelRunner, set_num_threads
 from shared.config import SchedulerConfig, WorkerConfig
 from shared.messages import (
     AddRequest,
@@ -30,8 +32,6 @@ from shared.messages import (
     StopParams,
 )
 from shared.models import DEFAULT_MODEL
-
-from .runner import ModelRunner, set_num_threads
 
 GATEWAY_ID = "offline"
 MAX_IDLE_STEPS = 1000  # steps that schedule nothing while work remains: a scheduler bug, not a wait
@@ -112,8 +112,6 @@ class LLM:
         self.runner = ModelRunner(self.worker_config)
         self._tokenizer: Any = None
         self._next_id = 0
-        from services.scheduler.scheduler import Scheduler
-
         self.scheduler = Scheduler(self.scheduler_config, self.runner.num_kv_blocks, self.runner.max_model_len)
 
     @property
