@@ -73,6 +73,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A ready worker silent (no heartbeat, no result) for this long is declared dead."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM: how long in-flight requests may run before the process stops anyway."""
+    engine_name: str = ""
+    """This engine's name in the registry and in metrics' ``engine`` label ('': host-pid)."""
+    redis_url: str = ""
+    """Register this engine in Redis for the gateways' router ('': no registration)."""
+    advertise_endpoint: str = ""
+    """The address gateways connect to ('': the gateway endpoint; set it when that binds 0.0.0.0)."""
+    registry_ttl_s: float = 10.0
+    """The registration expires this long after the engine's last heartbeat."""
+    health_port: int = 0
+    """Serve GET /health and /ready over HTTP on this port, for Kubernetes probes (0: off)."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,6 +121,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     served_model_name: str = ""
     """The name clients send as 'model' ('': the model argument)."""
     scheduler_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/gateway.sock"
+    """One engine's scheduler, or several separated by commas (data parallel)."""
     redis_url: str = ""
     """Redis for API keys, shared rate limits and the engine registry ('': none)."""
     api_key: str = ""
@@ -133,6 +144,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """On SIGTERM: stop accepting, give in-flight requests this long to finish, then abort them."""
     max_inflight_requests: int = 2048
     """Generation requests this gateway serves at once; one more is a 429 before any work (0: unbounded)."""
+    routing_policy: str = "prefix"
+    """Which engine serves a request: 'prefix' (affinity, load-bounded), 'least_loaded' or 'round_robin'."""
+    routing_prefix_blocks: int = 4
+    """Prefix affinity hashes the prompt's first this many KV blocks."""
+    routing_load_factor: float = 1.25
+    """No engine takes a request past this multiple of the mean load (plus the slack)."""
+    routing_load_slack: int = 8
+    """Requests an engine may carry above the load bound's multiple before affinity yields."""
+    discover_engines: bool = True
+    """With Redis: engines registered there join the routing (besides scheduler_endpoint's list)."""
 
 
 # ---------------------------------------------------------------------------

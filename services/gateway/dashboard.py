@@ -182,6 +182,8 @@ def dashboard_snapshot(metrics: GatewayMetrics, state: Callable[[], dict[str, An
         "processes": _processes(stats, metrics),
         "health": health_components(extra.get("health") or {}, stats),
         "config": config,
+        # every engine behind this gateway (data parallel): running, waiting, KV, where requests went
+        "engines": list((extra.get("health") or {}).get("engines") or []),
     }
 
 

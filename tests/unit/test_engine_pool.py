@@ -1,0 +1,138 @@
+"""The gateway's engine pool against two stand-in schedulers over real zmq sockets.
+
+Affinity (one prefix, one engine), spreading (distinct prefixes reach both),
+re-routing of requests that never started when their engine dies, the retryable
+failure of those that had started, and per-engine metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.gateway.engine_client import EngineFailure, RequestQueue
+from services.gateway.engine_pool import EnginePool
+from services.gateway.fake_scheduler import FakeScheduler
+from services.gateway.metrics import GatewayMetrics
+from shared.config import GatewayConfig
+from shared.messages import AddRequest, RequestDelta, SamplingParams, StopParams
+
+SCRIPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def add(req_id: str, prompt: list[int], max_tokens: int = 4) -> AddRequest:
+    return AddRequest(req_id=req_id, gateway_id="gw-test", prompt_token_ids=prompt, sampling=SamplingParams(),
+                      stop=StopParams(max_tokens=max_tokens), arrival_time=time.time())
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def drain(queue: RequestQueue, req_ids: set[str], timeout_s: float = 10.0) -> dict[str, list[object]]:
+    """Items per request until each finished or failed."""
+    got: dict[str, list[object]] = {r: [] for r in req_ids}
+    open_ids = set(req_ids)
+    while open_ids:
+        rid, item = await asyncio.wait_for(queue.get(), timeout_s)
+        got[rid].append(item)
+        if isinstance(item, EngineFailure) or (isinstance(item, RequestDelta) and item.finish_reason):
+            open_ids.discard(rid)
+    return got
+
+
+@pytest.fixture
+def fakes(tmp_path: Path):  # type: ignore[no-untyped-def]
+    made = [FakeScheduler(f"ipc://{tmp_path}/e{i}.sock", SCRIPT, tick_s=0.02) for i in range(2)]
+    yield made
+    for f in made:
+        try:
+            f.close()
+        except Exception:  # noqa: BLE001 - already closed by the test
+            pass
+
+
+def make_pool(fakes: list[FakeScheduler], **knobs: object) -> EnginePool:
+    config = GatewayConfig(scheduler_endpoint=",".join(f.endpoint for f in fakes), heartbeat_interval_s=0.1,
+                           **knobs)  # type: ignore[arg-type]
+    return EnginePool(config, "gw-test", GatewayMetrics("m"))
+
+
+def owner_of(fakes: list[FakeScheduler], req_id: str) -> int:
+    return next(i for i, f in enumerate(fakes) if any(a.req_id == req_id for a in f.adds))
+
+
+def test_one_prefix_goes_to_one_engine_and_distinct_ones_spread(fakes: list[FakeScheduler]) -> None:
+    async def run() -> None:
+        pool = make_pool(fakes, routing_prefix_blocks=2)
+        await pool.start()
+        try:
+            await until(pool.ready)
+            await until(lambda: all(r["ready"] for r in pool.engine_rows()))
+            queue = RequestQueue()
+            shared = list(range(100, 140))  # 2.5 blocks of 16: the first two are the key
+            for i in range(12):
+                pool.submit([add(f"s{i}", shared + [i])], queue)
+            await drain(queue, {f"s{i}" for i in range(12)})
+            assert len({owner_of(fakes, f"s{i}") for i in range(12)}) == 1
+            for i in range(40):
+                pool.submit([add(f"d{i}", [1000 + i] * 40)], queue)
+            await drain(queue, {f"d{i}" for i in range(40)})
+            spread = [sum(owner_of(fakes, f"d{i}") == e for i in range(40)) for e in (0, 1)]
+            assert min(spread) >= 8, spread
+            rows = {r["name"]: r for r in pool.engine_rows()}
+            assert rows["0"]["routed_total"] + rows["1"]["routed_total"] == 52
+            text = pool.metrics.render()[0].decode()
+            assert 'ferry:requests_routed_total{engine="0",model_name="m",outcome="routed"}' in text
+            # each engine's stats feed series with its own engine label
+            assert 'ferry:num_requests_running{engine="1",model_name="m"}' in text
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+
+
+def test_a_dead_engine_s_unstarted_requests_reroute_and_started_ones_fail_retryably(
+        fakes: list[FakeScheduler]) -> None:
+    victim, survivor = fakes
+    survivor.workers_ready = []  # not ready: everything goes to the victim at first
+
+    async def run() -> None:
+        pool = make_pool(fakes)
+        await pool.start()
+        try:
+            await until(lambda: [r["ready"] for r in pool.engine_rows()] == [True, False])
+            queue = RequestQueue()
+            pool.submit([add("started", [1] * 20, max_tokens=500)], queue)
+            while True:  # its first token reached the gateway: it has started
+                rid, item = await asyncio.wait_for(queue.get(), 5)
+                if isinstance(item, RequestDelta) and item.new_token_ids:
+                    break
+            victim.hold = True  # accepted from now on, never generated: queued, not started
+            for i in range(3):
+                pool.submit([add(f"queued{i}", [2 + i] * 20, max_tokens=3)], queue)
+            await until(lambda: len(victim.adds) == 4)
+            survivor.workers_ready = [0]
+            await until(lambda: all(r["ready"] for r in pool.engine_rows()))
+            victim.close()  # the engine dies
+            items = await drain(queue, {"started", "queued0", "queued1", "queued2"})
+            assert isinstance(items["started"][-1], EngineFailure)  # the client gets 503 + Retry-After
+            for i in range(3):
+                last = items[f"queued{i}"][-1]
+                assert isinstance(last, RequestDelta) and last.finish_reason == "length", items[f"queued{i}"]
+                assert not any(isinstance(x, EngineFailure) for x in items[f"queued{i}"])
+            assert sorted(a.req_id for a in survivor.adds) == ["queued0", "queued1", "queued2"]
+            text = pool.metrics.render()[0].decode()
+            assert 'ferry:requests_routed_total{engine="1",model_name="m",outcome="rerouted"} 3.0' in text
+            assert 'ferry:requests_routed_total{engine="0",model_name="m",outcome="routed"} 4.0' in text
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
