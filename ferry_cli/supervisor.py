@@ -42,6 +42,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restart_times: list[float] = field(default_factory=list)
     expected_exit: bool = False  # set while the supervisor itself stops it
+    group: str = ""  # the engine it belongs to (data parallel): a scheduler restarts with its own workers
 
     def start(self) -> None:
         self.expected_exit = False
