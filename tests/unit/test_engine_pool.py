@@ -136,3 +136,40 @@ def test_a_dead_engine_s_unstarted_requests_reroute_and_started_ones_fail_retrya
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_engines_join_from_the_registry_and_leave_when_their_ttl_runs_out(fakes: list[FakeScheduler]) -> None:
+    import redis
+
+    from services.scheduler.registration import EngineAnnouncer, EngineSnapshot
+    from shared.config import SchedulerConfig
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        # engine "b" registers once (then goes silent, as a crashed engine does)
+        sched = SchedulerConfig(engine_name="b", gateway_endpoint=fakes[1].endpoint, redis_url=server.url,
+                                registry_ttl_s=1.0)
+        announcer = EngineAnnouncer(sched, lambda: EngineSnapshot(ready=True, model="smollm2-135m-instruct"))
+        announcer._client = redis.Redis.from_url(server.url)
+        other_model = EngineAnnouncer(SchedulerConfig(engine_name="c", gateway_endpoint="tcp://10.0.0.9:5555",
+                                                      redis_url=server.url), lambda: EngineSnapshot(model="other"))
+        other_model._client = redis.Redis.from_url(server.url)
+        assert announcer.publish() and other_model.publish()
+
+        async def run() -> None:
+            pool = make_pool(fakes[:1], redis_url=server.url)
+            await pool.start()
+            try:
+                await until(lambda: "b" in pool.members, 5)  # joined, no restart
+                assert pool.members["b"].discovered and "c" not in pool.members  # another model's engine
+                await until(lambda: all(r["ready"] for r in pool.engine_rows()))
+                await until(lambda: "b" not in pool.members, 5)  # its registration expired: gone
+                assert list(pool.members) == ["0"]  # the static engine stays
+            finally:
+                await pool.close()
+
+        asyncio.run(run())
+    finally:
+        server.stop()
+
