@@ -111,6 +111,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """On a GPU: the step token budget the activation peak is profiled at (the scheduler's knob)."""
     max_num_seqs: int = 128
     """On a GPU: the sampling rows the activation peak is profiled with (the scheduler's knob)."""
+    tensor_parallel_size: int = 1
+    """Ranks one model is split across (heads, MLP width and KV cache each 1/N); the scheduler's num_workers."""
+    tp_init_method: str = ""
+    """Where the tensor-parallel ranks rendezvous: file:///path (one host) or tcp://rank0-host:port."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
