@@ -117,6 +117,14 @@ class Stack:
             raise ValueError(f"--data-parallel-size must be at least 1, not {self.num_engines}")
         cores = available_cores()
         redis = redis_url or args.redis_url
+        self.tp = args.tensor_parallel_size
+        if self.tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, not {self.tp}")
+        if self.tp > 1 and args.num_workers not in (1, self.tp):
+            raise ValueError("--num-workers replicates the model and --tensor-parallel-size splits it; "
+                             "use one or the other")
+        num_workers = self.tp if self.tp > 1 else args.num_workers
+        self.rendezvous: dict[str, str] = {}  # engine group -> its tensor-parallel rendezvous file
         self.scheduler_configs: list[SchedulerConfig] = []
         self.worker_configs: list[WorkerConfig] = []
         gateway_endpoints: list[str] = []
@@ -130,12 +138,18 @@ class Stack:
                 args.engine_name or str(engine))
             port = args.health_port + engine if args.health_port else 0  # one probe port per engine
             config = config_from_args(SchedulerConfig, args, **_pick(eps, SchedulerConfig), engine_name=name,
-                                      redis_url=redis, health_port=port)
+                                      redis_url=redis, health_port=port, num_workers=num_workers)
             self.scheduler_configs.append(config)
             gateway_endpoints.append(eps["gateway_endpoint"])
             threads = args.num_threads or max(1, cores // (config.num_workers * self.num_engines))
+            tp_init = ""
+            if self.tp > 1:  # the engine's ranks meet at a file in its private folder: no port to pick
+                rendezvous = os.path.join(folder, "tp-rendezvous")
+                self.rendezvous["" if self.num_engines == 1 else str(engine)] = rendezvous
+                tp_init = f"file://{rendezvous}"
             self.worker_configs += [
-                config_from_args(WorkerConfig, args, **_pick(eps, WorkerConfig), rank=rank, num_threads=threads)
+                config_from_args(WorkerConfig, args, **_pick(eps, WorkerConfig), rank=rank, num_threads=threads,
+                                 num_workers=num_workers, tensor_parallel_size=self.tp, tp_init_method=tp_init)
                 for rank in range(config.num_workers)
             ]
         self.scheduler_config = self.scheduler_configs[0]
@@ -150,6 +164,8 @@ class Stack:
         light_env = {**base_env, **SINGLE_THREAD_ENV}
         worker_env = {**base_env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                       "TOKENIZERS_PARALLELISM": "false"}
+        if self.tp > 1:  # all ranks on this host: gloo's connections over loopback
+            worker_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         py = [sys.executable, "-m"]
         self.children: list[Child] = []
         workers = iter(self.worker_configs)
@@ -172,6 +188,8 @@ class Stack:
         return [c for c in self.children if c.role == role]
 
     def start(self) -> None:
+        for path in self.rendezvous.values():
+            _remove(path)  # a file left by an earlier run would hand out stale addresses
         for child in self.children:
             child.start()
 
@@ -191,12 +209,15 @@ class Stack:
             return False
         time.sleep(min(10.0, 0.25 * 2 ** (count - 1)))  # back off a crash loop
         group = [child]
-        if child.role == "scheduler":
-            # The workers' persistent batches belong to the dead scheduler's plans.
-            group += [w for w in self.by_role("worker") if w.group == child.group]
+        if child.role == "scheduler" or (child.role == "worker" and self.tp > 1):
+            # The workers' persistent batches belong to the dead scheduler's plans; and the ranks
+            # of a tensor-parallel group only work together, so one dead rank restarts them all.
+            group += [w for w in self.by_role("worker") if w.group == child.group and w is not child]
         for member in group:
             if member.running():
                 member.stop(5.0)
+        if child.group in self.rendezvous and any(m.role == "worker" for m in group):
+            _remove(self.rendezvous[child.group])  # a fresh rendezvous for the new ranks
         for member in group:
             print(f"ferry serve: restarting {member.name}", file=sys.stderr, flush=True)
             member.start()
@@ -207,6 +228,13 @@ class Stack:
         stop_all(self.by_role("gateway"), grace_s)
         stop_all(self.by_role("scheduler"), min(grace_s, 5.0))
         stop_all(self.by_role("worker"), 5.0)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _pick(values: dict[str, Any], cls: type[msgspec.Struct]) -> dict[str, Any]:
