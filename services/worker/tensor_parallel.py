@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shared import capacity
 from shared.config import WorkerConfig
 
 log = logging.getLogger("ferry.worker.tp")
@@ -88,36 +89,14 @@ def _row(linear: nn.Linear, rank: int, size: int) -> RowParallelLinear:
     return RowParallelLinear(linear.weight.detach()[:, cols].contiguous(), bias)
 
 
-@dataclass(frozen=True)
-class TPShape:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-
-
-def tp_shape(config: Mapping[str, Any]) -> TPShape:
-    heads = int(config["num_attention_heads"])
-    return TPShape(heads, int(config.get("num_key_value_heads") or heads),
-                   int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-                   int(config["intermediate_size"]))
-
-
-def check_divisible(config: Mapping[str, Any], size: int) -> TPShape:
-    """The shape, or a ValueError saying which dimension does not split ``size`` ways."""
-    shape = tp_shape(config)
-    for what, n in (("attention heads", shape.num_heads), ("KV heads", shape.num_kv_heads),
-                    ("intermediate size", shape.intermediate_size)):
-        if n % size:
-            raise ValueError(f"tensor parallel size {size} does not divide the model's {what} ({n})")
-    return shape
+def check_divisible(config: Mapping[str, Any], size: int) -> None:
+    """A ValueError saying which dimension does not split ``size`` ways (shared.capacity's rule)."""
+    capacity.tensor_parallel_config(config, size)
 
 
 def rank_config(config: Mapping[str, Any], size: int) -> dict[str, Any]:
     """The config one rank's KV cache is sized from: 1/N of the heads, the same head size."""
-    shape = check_divisible(config, size)
-    return {**config, "num_attention_heads": shape.num_heads // size,
-            "num_key_value_heads": shape.num_kv_heads // size, "head_dim": shape.head_dim}
+    return capacity.tensor_parallel_config(config, size)
 
 
 def shard_llama(model: Any, config: Mapping[str, Any], rank: int, size: int) -> None:
