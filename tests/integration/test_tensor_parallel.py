@@ -66,7 +66,8 @@ def test_tp2_greedy_equals_tp1_token_for_token(kind: str, tmp_path_factory: pyte
 
 
 def test_the_split_divides_heads_and_refuses_what_does_not_divide() -> None:
-    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 128}
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "vocab_size": 100}
     per_rank = rank_config(config, 2)
     assert (per_rank["num_attention_heads"], per_rank["num_key_value_heads"], per_rank["head_dim"]) == (2, 1, 16)
     with pytest.raises(ValueError, match="KV heads"):
