@@ -16,6 +16,7 @@ import math
 import sys
 
 from services.gateway.keystore import Layout, sync_client
+from services.gateway.routing import policy_from_config
 from shared.config import GatewayConfig, add_config_args, config_from_args
 from shared.logs import add_logging_args, setup_logging_from_args
 
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(GatewayConfig, args)
     error = check_public_bind(config)
+    try:
+        policy_from_config(config)
+    except ValueError as exc:
+        error = str(exc)
     if error is not None:
         print(f"ferry gateway: {error}", file=sys.stderr)
         return 2

@@ -53,7 +53,7 @@ from services.gateway.engine_client import (
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.metrics_families import Fan
 from services.gateway.metrics_window import LiveWindow
-from services.gateway.routing import EngineLoad, RoutingPolicy, prefix_key, route
+from services.gateway.routing import EngineLoad, policy_from_config, prefix_key, route
 from shared.config import GatewayConfig
 from shared.messages import AddRequest, EngineHealth, EngineStats, RequestDelta, RequestRejected
 
@@ -129,8 +129,7 @@ class EnginePool:
 
     def __post_init__(self) -> None:
         c = self.config
-        self.policy = RoutingPolicy(policy=c.routing_policy, prefix_blocks=c.routing_prefix_blocks,
-                                    load_factor=c.routing_load_factor, slack=c.routing_load_slack)
+        self.policy = policy_from_config(c)
         self._owner: dict[str, str] = {}  # req_id -> member name
         self._counter = 0
         self._closing = False

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shared.config import GatewayConfig
+
 POLICIES = ("prefix", "least_loaded", "round_robin")
 VNODES = 64  # ring points per engine: the spread of keys is even to a few percent
 
@@ -69,6 +71,12 @@ class RoutingPolicy:
             raise ValueError("routing prefix blocks and block size must be at least 1")
         if self.load_factor < 1.0 or self.slack < 0:
             raise ValueError("the routing load factor must be >= 1 and the slack >= 0")
+
+
+def policy_from_config(config: GatewayConfig) -> RoutingPolicy:
+    """The gateway's routing knobs as a policy; ValueError names the bad one."""
+    return RoutingPolicy(policy=config.routing_policy, prefix_blocks=config.routing_prefix_blocks,
+                         load_factor=config.routing_load_factor, slack=config.routing_load_slack)
 
 
 def _h64(data: bytes) -> int:

@@ -113,3 +113,10 @@ def test_round_robin_and_least_loaded() -> None:
 def test_bad_policies_are_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         RoutingPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_gateway_refuses_a_bad_routing_knob_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.gateway.__main__ import main
+
+    assert main(["--routing-load-factor", "0.9"]) == 2
+    assert "load factor must be >= 1" in capsys.readouterr().err
