@@ -56,7 +56,8 @@ def run_system(name: str, args: argparse.Namespace, out_dir: Path) -> list[dict[
     log = open(out_dir / f"serve-{name}.log", "wb")  # noqa: SIM115 - the child owns it
     cmd = [sys.executable, "-m", "ferry_cli", "serve", "--model", args.model, "--port", str(port),
            "--data-parallel-size", str(engines), "--routing-policy", policy, "--num-threads",
-           str(max(1, args.threads // engines)), "--kv-cache-memory", str(args.kv_cache_memory)]
+           str(max(1, args.threads // engines)), "--kv-cache-memory", str(args.kv_cache_memory),
+           "--dtype", args.dtype]
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, process_group=0)
     rows: list[dict[str, Any]] = []
     try:
@@ -95,6 +96,7 @@ def run_system(name: str, args: argparse.Namespace, out_dir: Path) -> list[dict[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.engine.bench_dp", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--rates", default="0.25,0.5,1")
     p.add_argument("--duration", type=float, default=30.0)
