@@ -26,6 +26,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -132,10 +133,11 @@ class Stack:
             folder = engine_runtime_dir(runtime_dir, engine, self.num_engines)
             os.makedirs(folder, mode=0o700, exist_ok=True)
             eps = endpoints(folder)
-            # engines are named 0..N-1 (a given --engine-name becomes its prefix); the gateway's static
-            # list uses the same names, so registry and list agree
-            name = f"{args.engine_name}{engine}" if args.engine_name and self.num_engines > 1 else (
-                args.engine_name or str(engine))
+            # engines are named 0..N-1 in the private embedded Redis (the gateway's static list uses the
+            # same names); in a shared Redis (--redis-url) other ferry serves register too, so the names
+            # carry this host and process; a given --engine-name is the prefix
+            prefix = args.engine_name or ("" if not args.redis_url else f"{socket.gethostname()}-{os.getpid()}-")
+            name = f"{prefix}{engine}" if self.num_engines > 1 or not args.engine_name else args.engine_name
             port = args.health_port + engine if args.health_port else 0  # one probe port per engine
             config = config_from_args(SchedulerConfig, args, **_pick(eps, SchedulerConfig), engine_name=name,
                                       redis_url=redis, health_port=port, num_workers=num_workers)

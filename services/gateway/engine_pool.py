@@ -34,6 +34,7 @@ import contextlib
 import copy
 import json
 import logging
+import socket
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ class EnginePool:
         self._task: asyncio.Task[None] | None = None
         self._redis: Any = None
         self.discovery_error = ""
+        self._host = socket.gethostname()
         self.routed = Counter("ferry:requests_routed", "Requests sent to each engine (rerouted: sent again "
                               "after their engine went away before they started).",
                               ["model_name", "engine", "outcome"], registry=self.metrics.registry)
@@ -184,6 +186,8 @@ class EnginePool:
         for rec in records:
             if rec.get("model") and rec["model"] != model:
                 continue
+            if str(rec.get("endpoint", "")).startswith("ipc://") and rec.get("host") != self._host:
+                continue  # an ipc:// socket of another host: unreachable from here
             live[str(rec["name"])] = str(rec["endpoint"])
         known = {m.endpoint for m in self.members.values()}
         for name, endpoint in sorted(live.items()):

@@ -8,6 +8,7 @@ failure of those that had started, and per-engine metrics.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -156,6 +157,11 @@ def test_engines_join_from_the_registry_and_leave_when_their_ttl_runs_out(fakes:
                                                       redis_url=server.url), lambda: EngineSnapshot(model="other"))
         other_model._client = redis.Redis.from_url(server.url)
         assert announcer.publish() and other_model.publish()
+        # an ipc:// socket registered by another host cannot be reached from here
+        client = redis.Redis.from_url(server.url)
+        client.set("ferry:replica:far", json.dumps({"name": "far", "endpoint": "ipc:///tmp/far.sock",
+                                                    "model": "smollm2-135m-instruct", "host": "elsewhere"}))
+        client.zadd("ferry:replicas", {"far": time.time() + 60})
 
         async def run() -> None:
             pool = make_pool(fakes[:1], redis_url=server.url)
@@ -163,6 +169,7 @@ def test_engines_join_from_the_registry_and_leave_when_their_ttl_runs_out(fakes:
             try:
                 await until(lambda: "b" in pool.members, 5)  # joined, no restart
                 assert pool.members["b"].discovered and "c" not in pool.members  # another model's engine
+                assert "far" not in pool.members
                 await until(lambda: all(r["ready"] for r in pool.engine_rows()))
                 await until(lambda: "b" not in pool.members, 5)  # its registration expired: gone
                 assert list(pool.members) == ["0"]  # the static engine stays
