@@ -20,7 +20,8 @@ goes away, every one of its requests that has not produced a token yet is sent
 again to another engine (same request id: the client sees a delay, not an
 error); requests that already streamed tokens end with the client's retryable
 error (503 + Retry-After, from ``EngineFailure``). A draining engine's
-``shutting_down`` refusal is re-routed the same way.
+``shutting_down`` refusal and a full queue's ``queue_full`` are re-routed the same
+way (to an engine not tried yet; the refusal stands when there is none).
 
 Each engine's stats feed a metrics view with its own ``engine`` label
 (``engine_metrics``); ``ferry:requests_routed_total{engine,outcome}`` counts
@@ -62,6 +63,8 @@ log = logging.getLogger("ferry.gateway.pool")
 
 REGISTRY_NAMESPACE = "ferry:"  # services/scheduler/registration.py writes here
 DEFAULT_BLOCK_SIZE = 16  # until an engine reports its own
+# refusals another engine may not give: draining, or a full queue (try one with room before a 429)
+REROUTE_REASONS = frozenset({"shutting_down", "queue_full", "queue_tokens_full"})
 
 
 def engine_metrics(base: GatewayMetrics, engine: str) -> GatewayMetrics:
@@ -113,7 +116,7 @@ class _RoutedQueue(RequestQueue):
         if isinstance(msg, RequestDelta) and (msg.new_token_ids or msg.finish_reason is not None):
             self.started.add(req_id)
         retryable = isinstance(msg, EngineFailure) or (
-            isinstance(msg, RequestRejected) and msg.reason == "shutting_down")
+            isinstance(msg, RequestRejected) and msg.reason in REROUTE_REASONS)
         add = self.adds.get(req_id)
         if retryable and add is not None and req_id not in self.started and self.pool.reroute(add, self):
             return

@@ -180,3 +180,32 @@ def test_engines_join_from_the_registry_and_leave_when_their_ttl_runs_out(fakes:
     finally:
         server.stop()
 
+
+
+def test_a_full_queue_sends_the_request_to_an_engine_with_room(fakes: list[FakeScheduler]) -> None:
+    from shared.messages import RequestRejected
+
+    full, roomy = fakes
+    full.reject = ("queue_full", 2.0)
+
+    async def run() -> None:
+        pool = make_pool(fakes, routing_policy="round_robin")
+        await pool.start()
+        try:
+            await until(lambda: all(r["ready"] for r in pool.engine_rows()))
+            queue = RequestQueue()
+            for i in range(4):
+                pool.submit([add(f"r{i}", [i] * 8)], queue)
+            items = await drain(queue, {f"r{i}" for i in range(4)})
+            for i in range(4):  # every request ends normally, on the engine with room
+                assert isinstance(items[f"r{i}"][-1], RequestDelta) and items[f"r{i}"][-1].finish_reason == "length"
+            assert sorted(a.req_id for a in roomy.adds) == ["r0", "r1", "r2", "r3"]
+            assert len(full.adds) == 2  # round robin sent it half, it refused them
+            roomy.reject = ("queue_full", 3.0)  # nowhere left: the refusal reaches the client
+            pool.submit([add("last", [9] * 8)], queue)
+            rid, item = await asyncio.wait_for(queue.get(), 5)
+            assert rid == "last" and isinstance(item, RequestRejected) and item.reason == "queue_full"
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
