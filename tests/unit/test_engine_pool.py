@@ -209,3 +209,21 @@ def test_a_full_queue_sends_the_request_to_an_engine_with_room(fakes: list[FakeS
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_each_engine_s_counters_advance_by_its_own_totals() -> None:
+    from services.gateway.engine_pool import engine_metrics
+    from tests.unit.test_metrics import stats, value
+
+    base = GatewayMetrics("m")
+    one = engine_metrics(base, "1")
+    assert engine_metrics(base, "0") is base  # the single engine's label: the same object
+    base.on_engine_stats(stats(prefix_cache_hits_total=4, num_running=2))
+    one.on_engine_stats(stats(prefix_cache_hits_total=10, num_running=5))
+    base.on_engine_stats(stats(prefix_cache_hits_total=6, num_running=1))  # +2 on engine 0, not -4
+    one.on_engine_stats(stats(prefix_cache_hits_total=13, num_running=0))  # +3 on engine 1
+    assert value(base, "ferry:prefix_cache_hits_total", engine="0") == 6
+    assert value(base, "ferry:prefix_cache_hits_total", engine="1") == 13
+    assert value(base, "ferry:num_requests_running", engine="0") == 1
+    assert value(base, "ferry:num_requests_running", engine="1") == 0
+    assert base.last_stats is not None and base.last_stats.num_running == 1  # the view kept its own
