@@ -39,7 +39,7 @@ bench-scheduler: install
 
 # Offline throughput: ferry's engine vs transformers generate and continuous batching (minutes).
 bench-offline: install
-	$(PY) -m services.worker.bench_offline --threads 2 --out results/bench-offline.json
+	$(PY) -m services.engine.bench_offline --threads 2 --out results/bench-offline.json
 
 bench-gateway: install
 	$(PY) -m services.gateway.bench --out results/bench-gateway.json
@@ -47,7 +47,7 @@ bench-gateway: install
 # Structured outputs: decode step time with 0, 1 and all requests under a grammar; grammar compile times.
 bench-grammar: install
 	@mkdir -p results
-	$(PY) -m services.worker.grammar_bench --batch 8 --steps 24 --out results/bench-grammar.json
+	$(PY) -m services.engine.grammar_bench --batch 8 --steps 24 --out results/bench-grammar.json
 
 # Load-test smoke run against a running server (default: `make run`'s); writes results/bench-smoke/board.md.
 BENCH_URL ?= http://127.0.0.1:8000

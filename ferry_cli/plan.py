@@ -39,6 +39,7 @@ class PlanOptions:
     safety_margin: str = "0"  # < 1: fraction of device memory; else bytes
     max_num_batched_tokens: int = 2048
     runtime_overhead_bytes: int = capacity.GPU_RUNTIME_OVERHEAD_BYTES
+    tensor_parallel_size: int = 1  # devices one model is split across (each row: per device)
 
 
 def safety_margin_bytes(spec: str, memory_bytes: int) -> int:
@@ -55,14 +56,16 @@ def _is_number(text: str) -> bool:
 
 
 def _memory_side(config: dict[str, Any], device: Device, opts: PlanOptions, dtype: str) -> dict[str, int]:
-    """Weights, activations, overhead, margin and the KV budget (possibly negative before clamping)."""
-    weights = capacity.weight_bytes(config, dtype)
+    """Weights, activations, overhead, margin and the KV budget (possibly negative before clamping),
+    per device: with tensor parallelism ``config`` is one rank's and the weights are its share."""
+    weights = capacity.weight_bytes_per_rank(config, dtype, opts.tensor_parallel_size)
     if device.kind == "cpu":
         # The worker's CPU cache is exactly --kv-cache-memory; weights live elsewhere in RAM.
         return {"weight_bytes": weights, "activation_peak_bytes": 0, "runtime_overhead_bytes": 0,
                 "safety_margin_bytes": 0, "kv_budget_bytes": device.memory_bytes, "kv_budget_raw": device.memory_bytes}
     seqs = max(opts.concurrency, 1)
-    activations = capacity.activation_peak_bytes(config, dtype, opts.max_num_batched_tokens, seqs)
+    rank = capacity.tensor_parallel_config(config, opts.tensor_parallel_size)
+    activations = capacity.activation_peak_bytes(rank, dtype, opts.max_num_batched_tokens, seqs)
     margin = safety_margin_bytes(opts.safety_margin, device.memory_bytes)
     budget = capacity.gpu_kv_budget_bytes(
         device.memory_bytes, opts.gpu_memory_utilization, weights, activations, opts.runtime_overhead_bytes, margin
@@ -87,9 +90,11 @@ def plan_device(config: dict[str, Any], device: Device, opts: PlanOptions, throu
     dtype = capacity.resolve_dtype(opts.dtype, device.kind)
     kv_dtype = capacity.resolve_kv_dtype(opts.kv_cache_dtype, dtype)
     mem = _memory_side(config, device, opts, dtype)
-    kv_per_token = capacity.kv_bytes_per_token(config, kv_dtype)
-    block_bytes = capacity.kv_block_bytes(config, kv_dtype, opts.block_size)
-    blocks = capacity.num_kv_blocks(mem["kv_budget_bytes"], config, kv_dtype, opts.block_size)
+    tp = opts.tensor_parallel_size
+    rank = capacity.tensor_parallel_config(config, tp)  # each device holds 1/tp of the KV heads
+    kv_per_token = capacity.kv_bytes_per_token(rank, kv_dtype)
+    block_bytes = capacity.kv_block_bytes(rank, kv_dtype, opts.block_size)
+    blocks = capacity.num_kv_blocks(mem["kv_budget_bytes"], rank, kv_dtype, opts.block_size)
     typical = opts.prompt_len + opts.output_len
     at_typical = capacity.max_concurrency(blocks, typical, opts.block_size)
     at_max = capacity.max_concurrency(blocks, opts.max_model_len, opts.block_size)
@@ -98,9 +103,11 @@ def plan_device(config: dict[str, Any], device: Device, opts: PlanOptions, throu
     batch = min(opts.concurrency, at_typical)
     ceiling = decode_ceiling_tok_s(device, mem["weight_bytes"], kv_per_token, batch, opts.prompt_len + opts.output_len // 2)
     tok_s, source = (throughput, "given") if throughput else (ceiling, "roofline" if ceiling else None)
-    cost = device.usd_per_hour / (tok_s * 3600) * 1e6 if tok_s and device.usd_per_hour > 0 else None
+    # the tp devices decode in lockstep, each reading its share: the roofline is per device; the price is tp x
+    cost = tp * device.usd_per_hour / (tok_s * 3600) * 1e6 if tok_s and device.usd_per_hour > 0 else None
     row: dict[str, Any] = {
-        "device": device.name, "kind": device.kind, "memory_bytes": device.memory_bytes,
+        "device": device.name if tp == 1 else f"{tp}x {device.name}", "kind": device.kind,
+        "tensor_parallel_size": tp, "memory_bytes": device.memory_bytes,
         "dtype": dtype, "kv_cache_dtype": kv_dtype,
         **{k: v for k, v in mem.items() if k != "kv_budget_raw"},
         "kv_bytes_per_token": kv_per_token, "block_size": opts.block_size, "block_bytes": block_bytes,
@@ -111,7 +118,7 @@ def plan_device(config: dict[str, Any], device: Device, opts: PlanOptions, throu
         "fits": weights_fit and at_max >= opts.concurrency,
         "fits_at_typical": weights_fit and at_typical >= opts.concurrency,
         "headroom_bytes": mem["kv_budget_raw"] - needed,
-        "usd_per_hour": device.usd_per_hour or None, "decode_ceiling_tok_s": ceiling,
+        "usd_per_hour": tp * device.usd_per_hour or None, "decode_ceiling_tok_s": ceiling,
         "throughput_tok_s": tok_s, "throughput_source": source, "usd_per_million_output_tokens": cost,
     }
     row["warnings"] = device_warnings(row)
@@ -153,7 +160,9 @@ def render_markdown(model: PlannedModel, rows: list[dict[str, Any]], opts: PlanO
         + (f" (GGUF file {_size(model.file_bytes)}, quantized; served unquantized)" if model.file_bytes else ""),
         f"max_model_len {opts.max_model_len}, concurrency {opts.concurrency}, typical {opts.prompt_len}+"
         f"{opts.output_len} tokens, block_size {opts.block_size}, gpu_memory_utilization "
-        f"{opts.gpu_memory_utilization}, safety margin {opts.safety_margin}",
+        f"{opts.gpu_memory_utilization}, safety margin {opts.safety_margin}"
+        + (f", tensor parallel {opts.tensor_parallel_size} (every figure per device)"
+           if opts.tensor_parallel_size > 1 else ""),
         "",
         "| device | memory | dtype / KV | weights | KV/token | KV budget | KV blocks | max conc @typical "
         "| max conc @max_len | fits | headroom | $/h | tok/s | $/M out tok |",
@@ -200,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--price", action="append", default=[], metavar="NAME=USD_PER_HOUR", help="override prices")
     p.add_argument("--throughput", action="append", default=[], metavar="[NAME=]TOK_S",
                    help="measured or assumed output tokens/s per device, for the break-even cost")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices one model is split across: weights (projections), KV cache and "
+                        "activations per device divide by it; the price multiplies by it")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per device")
     return p
 
@@ -215,6 +227,9 @@ def options_from_args(args: argparse.Namespace, model: PlannedModel) -> PlanOpti
     margin = float(args.safety_margin) if _is_number(args.safety_margin) else parse_bytes(args.safety_margin)
     if margin < 0:
         raise ValueError("--safety-margin must not be negative")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1 (got {args.tensor_parallel_size})")
+    capacity.tensor_parallel_config(model.config, args.tensor_parallel_size)  # divisible, as the worker needs
     max_len = args.max_model_len or capacity.model_shape(model.config).max_position_embeddings
     if max_len < 1:
         raise ValueError(f"--max-model-len must be positive (got {max_len})")
@@ -225,7 +240,7 @@ def options_from_args(args: argparse.Namespace, model: PlannedModel) -> PlanOpti
         concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         safety_margin=args.safety_margin, max_num_batched_tokens=args.max_num_batched_tokens,
-        runtime_overhead_bytes=parse_bytes(args.runtime_overhead),
+        runtime_overhead_bytes=parse_bytes(args.runtime_overhead), tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -26,6 +26,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -53,7 +54,7 @@ from shared.config_checks import (
 )
 from shared.logs import add_logging_args
 
-ENDPOINT_FIELDS = {"gateway_endpoint", "plan_endpoint", "result_endpoint", "scheduler_endpoint"}
+ENDPOINT_FIELDS = {"gateway_endpoint", "plan_endpoint", "result_endpoint", "scheduler_endpoint", "advertise_endpoint"}
 SECRET_FIELDS = {"api_key", "redis_url"}  # passed through the environment, never on a command line
 SINGLE_THREAD_ENV = {
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runtime-dir", default="", help="folder for ipc sockets ('': a fresh private temp folder)")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0, help="give up if /ready fails this long")
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts of one child per minute before giving up")
+    parser.add_argument("--data-parallel-size", type=int, default=int(os.environ.get("FERRY_DATA_PARALLEL_SIZE", "1")),
+                        help="engines (each a scheduler and its workers) behind the gateway, routed by prefix "
+                             "affinity and load [env FERRY_DATA_PARALLEL_SIZE; default 1]")
     add_logging_args(parser)
     add_config_args(parser, SchedulerConfig, skip=ENDPOINT_FIELDS)
     taken = {a.dest for a in parser._actions}
@@ -102,23 +106,67 @@ def _child_args(config: msgspec.Struct) -> tuple[list[str], dict[str, str]]:
     return flags, env
 
 
+def engine_runtime_dir(runtime_dir: str, engine: int, num_engines: int) -> str:
+    """Each engine's sockets in a folder of its own (the single engine keeps the top folder)."""
+    return runtime_dir if num_engines == 1 else os.path.join(runtime_dir, f"engine{engine}")
+
+
 class Stack:
-    """The children of one ``ferry serve`` and the policy that keeps them running."""
+    """The children of one ``ferry serve`` and the policy that keeps them running.
+
+    ``--data-parallel-size N`` makes N engines, each a scheduler with its own
+    ``--num-workers`` ranks and sockets, registered in Redis under the names
+    ``0``..``N-1``; the gateway routes among them (services/gateway/engine_pool.py).
+    """
 
     def __init__(self, args: argparse.Namespace, runtime_dir: str, redis_url: str) -> None:
         self.args = args
         self.runtime_dir = runtime_dir
-        eps = endpoints(runtime_dir)
+        self.num_engines = args.data_parallel_size
+        if self.num_engines < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, not {self.num_engines}")
         cores = available_cores()
-        self.scheduler_config = config_from_args(SchedulerConfig, args, **_pick(eps, SchedulerConfig))
+        redis = redis_url or args.redis_url
+        self.tp = args.tensor_parallel_size
+        if self.tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, not {self.tp}")
+        if self.tp > 1 and args.num_workers not in (1, self.tp):
+            raise ValueError("--num-workers replicates the model and --tensor-parallel-size splits it; "
+                             "use one or the other")
+        num_workers = self.tp if self.tp > 1 else args.num_workers
+        self.rendezvous: dict[str, str] = {}  # engine group -> its tensor-parallel rendezvous file
+        self.scheduler_configs: list[SchedulerConfig] = []
+        self.worker_configs: list[WorkerConfig] = []
+        gateway_endpoints: list[str] = []
+        for engine in range(self.num_engines):
+            folder = engine_runtime_dir(runtime_dir, engine, self.num_engines)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            eps = endpoints(folder)
+            # engines are named 0..N-1 in the private embedded Redis (the gateway's static list uses the
+            # same names); in a shared Redis (--redis-url) other ferry serves register too, so the names
+            # carry this host and process; a given --engine-name is the prefix
+            prefix = args.engine_name or ("" if not args.redis_url else f"{socket.gethostname()}-{os.getpid()}-")
+            name = f"{prefix}{engine}" if self.num_engines > 1 or not args.engine_name else args.engine_name
+            port = args.health_port + engine if args.health_port else 0  # one probe port per engine
+            config = config_from_args(SchedulerConfig, args, **_pick(eps, SchedulerConfig), engine_name=name,
+                                      redis_url=redis, health_port=port, num_workers=num_workers)
+            self.scheduler_configs.append(config)
+            gateway_endpoints.append(eps["gateway_endpoint"])
+            threads = args.num_threads or max(1, cores // (config.num_workers * self.num_engines))
+            tp_init = ""
+            if self.tp > 1:  # the engine's ranks meet at a file in its private folder: no port to pick
+                rendezvous = os.path.join(folder, "tp-rendezvous")
+                self.rendezvous["" if self.num_engines == 1 else str(engine)] = rendezvous
+                tp_init = f"file://{rendezvous}"
+            self.worker_configs += [
+                config_from_args(WorkerConfig, args, **_pick(eps, WorkerConfig), rank=rank, num_threads=threads,
+                                 num_workers=num_workers, tensor_parallel_size=self.tp, tp_init_method=tp_init)
+                for rank in range(config.num_workers)
+            ]
+        self.scheduler_config = self.scheduler_configs[0]
         self.num_workers = self.scheduler_config.num_workers
-        threads = args.num_threads or max(1, cores // self.num_workers)
-        self.worker_configs = [
-            config_from_args(WorkerConfig, args, **_pick(eps, WorkerConfig), rank=rank, num_threads=threads)
-            for rank in range(self.num_workers)
-        ]
         self.gateway_config = config_from_args(
-            GatewayConfig, args, **_pick(eps, GatewayConfig), redis_url=redis_url or args.redis_url
+            GatewayConfig, args, scheduler_endpoint=",".join(gateway_endpoints), redis_url=redis
         )
         base_env = {
             **os.environ, "PYTHONUNBUFFERED": "1", "FERRY_LOG_LEVEL": args.log_level,
@@ -127,15 +175,23 @@ class Stack:
         light_env = {**base_env, **SINGLE_THREAD_ENV}
         worker_env = {**base_env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                       "TOKENIZERS_PARALLELISM": "false"}
+        if self.tp > 1:  # all ranks on this host: gloo's connections over loopback
+            worker_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         py = [sys.executable, "-m"]
         self.children: list[Child] = []
-        flags, secrets = _child_args(self.scheduler_config)
-        self.children.append(Child("scheduler", "scheduler", py + ["services.scheduler", *flags],
-                                   {**light_env, **secrets}))
-        for config in self.worker_configs:
-            flags, secrets = _child_args(config)
-            self.children.append(Child(f"worker{config.rank}", "worker", py + ["services.worker", *flags],
-                                       {**worker_env, **secrets}))
+        workers = iter(self.worker_configs)
+        for engine, sched in enumerate(self.scheduler_configs):
+            # one engine keeps the plain names ("scheduler", "worker0"); several are numbered
+            prefix, group = ("", "") if self.num_engines == 1 else (f"engine{engine}-", str(engine))
+            flags, secrets = _child_args(sched)
+            self.children.append(Child(f"{prefix}scheduler", "scheduler", py + ["services.scheduler", *flags],
+                                       {**light_env, **secrets}, group=group))
+            for _ in range(sched.num_workers):
+                worker = next(workers)
+                flags, secrets = _child_args(worker)
+                self.children.append(Child(f"{prefix}worker{worker.rank}", "worker",
+                                           py + ["services.worker", *flags], {**worker_env, **secrets},
+                                           group=group))
         flags, secrets = _child_args(self.gateway_config)
         self.children.append(Child("gateway", "gateway", py + ["services.gateway", *flags], {**light_env, **secrets}))
 
@@ -143,6 +199,8 @@ class Stack:
         return [c for c in self.children if c.role == role]
 
     def start(self) -> None:
+        for path in self.rendezvous.values():
+            _remove(path)  # a file left by an earlier run would hand out stale addresses
         for child in self.children:
             child.start()
 
@@ -161,12 +219,15 @@ class Stack:
             return False
         time.sleep(min(10.0, 0.25 * 2 ** (count - 1)))  # back off a crash loop
         group = [child]
-        if child.role == "scheduler":
-            # The workers' persistent batches belong to the dead scheduler's plans.
-            group += [w for w in self.by_role("worker")]
+        if child.role == "scheduler" or (child.role == "worker" and self.tp > 1):
+            # The workers' persistent batches belong to the dead scheduler's plans; and the ranks
+            # of a tensor-parallel group only work together, so one dead rank restarts them all.
+            group += [w for w in self.by_role("worker") if w.group == child.group and w is not child]
         for member in group:
             if member.running():
                 member.stop(5.0)
+        if child.group in self.rendezvous and any(m.role == "worker" for m in group):
+            _remove(self.rendezvous[child.group])  # a fresh rendezvous for the new ranks
         for member in group:
             log.warning("restarting %s", member.name)
             member.start()
@@ -177,6 +238,13 @@ class Stack:
         stop_all(self.by_role("gateway"), grace_s)
         stop_all(self.by_role("scheduler"), min(grace_s, 5.0))
         stop_all(self.by_role("worker"), 5.0)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _pick(values: dict[str, Any], cls: type[msgspec.Struct]) -> dict[str, Any]:
@@ -297,7 +365,7 @@ def _startup(stack: Stack, redis: Child | None, signals: Signals, args: argparse
                 log.error("%s %s during start-up (its error is above); stopping", child.name, exit_description(code))
                 return 1
             try:
-                if client.get(f"{base}/ready").status_code == 200:
+                if _all_engines_ready(client.get(f"{base}/ready"), stack.num_engines):
                     break
             except httpx.HTTPError:
                 pass
@@ -306,8 +374,9 @@ def _startup(stack: Stack, redis: Child | None, signals: Signals, args: argparse
             log.error("not ready after %.0fs; stopping", args.startup_timeout_s)
             return 1
     name = stack.gateway_config.served_model_name or stack.gateway_config.model
+    engines = f" on {stack.num_engines} engines" if stack.num_engines > 1 else ""
     print(
-        f"ferry is serving {name}\n"
+        f"ferry is serving {name}{engines}\n"
         f"  API:       {base}/v1\n"
         f"  dashboard: {base}/dashboard\n"
         f"  metrics:   {base}/metrics\n"
@@ -315,6 +384,14 @@ def _startup(stack: Stack, redis: Child | None, signals: Signals, args: argparse
         flush=True,
     )
     return None
+
+
+def _all_engines_ready(response: Any, num_engines: int) -> bool:
+    """/ready answers 200 once one engine is; serving starts when all of ours are."""
+    if response.status_code != 200:
+        return False
+    engines = response.json().get("scheduler", {}).get("engines", [])
+    return sum(1 for e in engines if e.get("ready")) >= num_engines
 
 
 def _redis_failed(redis: Child | None) -> tuple[Child, int] | None:

@@ -46,6 +46,7 @@ class Child:
     on_output: Callable[[str], None] | None = None
     """Each line the child writes (stdout and stderr), for children that do not log in
     ferry's format; None: the child inherits this process's stdout and stderr."""
+    group: str = ""  # the engine it belongs to (data parallel): a scheduler restarts with its own workers
 
     def start(self) -> None:
         self.expected_exit = False

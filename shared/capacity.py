@@ -277,6 +277,36 @@ def weight_bytes(config: Mapping[str, Any], dtype: str) -> int:
     return count_parameters(config).total * DTYPE_BYTES[normalize_dtype(dtype)]
 
 
+def tensor_parallel_config(config: Mapping[str, Any], size: int) -> dict[str, Any]:
+    """The config one tensor-parallel rank of ``size`` sees: 1/size of the attention heads,
+    KV heads and MLP width, the same head size. ValueError when one of them does not divide."""
+    if size < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, not {size}")
+    s = model_shape(config)
+    if size == 1:
+        return dict(config)
+    if s.num_experts:
+        raise ValueError("tensor parallelism is not supported for mixture-of-experts models")
+    for what, n in (("attention heads", s.num_heads), ("KV heads", s.num_kv_heads),
+                    ("intermediate size", s.intermediate_size)):
+        if n % size:
+            raise ValueError(f"tensor parallel size {size} does not divide the model's {what} ({n})")
+    return {**config, "num_attention_heads": s.num_heads // size, "num_key_value_heads": s.num_kv_heads // size,
+            "head_dim": s.head_dim, "intermediate_size": s.intermediate_size // size}
+
+
+def weight_bytes_per_rank(config: Mapping[str, Any], dtype: str, size: int) -> int:
+    """Weight bytes on each of ``size`` tensor-parallel devices: the attention and MLP projections
+    split ``size`` ways; embeddings, norms, the LM head and the row-parallel biases whole on each."""
+    tensor_parallel_config(config, size)  # the same divisibility rule as the worker
+    s = model_shape(config)
+    counts = count_parameters(config)
+    whole_biases = s.num_layers * s.hidden_size * (int(s.o_bias) + int(s.mlp_bias))
+    split = counts.attention + counts.mlp - whole_biases
+    per_rank = counts.total - split + split // size
+    return per_rank * DTYPE_BYTES[normalize_dtype(dtype)]
+
+
 # ---------------------------------------------------------------------------
 # GPU budget
 # ---------------------------------------------------------------------------

@@ -75,6 +75,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """On SIGTERM: how long in-flight requests may run before the process stops anyway."""
     max_request_crashes: int = 2
     """A request running at this many consecutive worker crashes is ended with an error (0: never)."""
+    engine_name: str = ""
+    """This engine's name in the registry and in metrics' ``engine`` label ('': host-pid)."""
+    redis_url: str = ""
+    """Register this engine in Redis for the gateways' router ('': no registration)."""
+    advertise_endpoint: str = ""
+    """The address gateways connect to ('': the gateway endpoint; set it when that binds 0.0.0.0)."""
+    registry_ttl_s: float = 10.0
+    """The registration expires this long after the engine's last heartbeat."""
+    health_port: int = 0
+    """Serve GET /health and /ready over HTTP on this port, for Kubernetes probes (0: off)."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +113,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """On a GPU: the step token budget the activation peak is profiled at (the scheduler's knob)."""
     max_num_seqs: int = 128
     """On a GPU: the sampling rows the activation peak is profiled with (the scheduler's knob)."""
+    tensor_parallel_size: int = 1
+    """Ranks one model is split across (heads, MLP width and KV cache each 1/N); the scheduler's num_workers."""
+    tp_init_method: str = ""
+    """Where the tensor-parallel ranks rendezvous: file:///path (one host) or tcp://rank0-host:port."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,6 +127,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     served_model_name: str = ""
     """The name clients send as 'model' ('': the model argument)."""
     scheduler_endpoint: str = f"ipc://{DEFAULT_RUNTIME_DIR}/gateway.sock"
+    """One engine's scheduler, or several separated by commas (data parallel)."""
     redis_url: str = ""
     """Redis for API keys, shared rate limits and the engine registry ('': none)."""
     api_key: str = ""
@@ -157,6 +172,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A request body that takes longer than this to arrive is refused with 408."""
     tool_call_parser: str = "hermes"
     """How tool_choice 'auto' output becomes tool_calls (vLLM's names): hermes, llama3_json, mistral."""
+    routing_policy: str = "prefix"
+    """Which engine serves a request: 'prefix' (affinity, load-bounded), 'least_loaded' or 'round_robin'."""
+    routing_prefix_blocks: int = 4
+    """Prefix affinity hashes the prompt's first this many KV blocks."""
+    routing_load_factor: float = 1.25
+    """No engine takes a request past this multiple of the mean load (plus the slack)."""
+    routing_load_slack: int = 8
+    """Requests an engine may carry above the load bound's multiple before affinity yields."""
+    discover_engines: bool = True
+    """With Redis: engines registered there join the routing (besides scheduler_endpoint's list)."""
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import sys
 
 from services.gateway.keystore import Layout, sync_client
 from services.gateway.ops_auth import is_loopback
+from services.gateway.routing import policy_from_config
 from shared.config import GatewayConfig, add_config_args, config_from_args
 from shared.config_checks import config_errors, exit_on_errors
 from shared.logs import add_logging_args, setup_logging_from_args
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(GatewayConfig, args)
     exit_on_errors("ferry gateway", config_errors(config))
     error = check_public_bind(config)
+    try:
+        policy_from_config(config)
+    except ValueError as exc:
+        error = str(exc)
     if error is not None:
         print(f"ferry gateway: {error}", file=sys.stderr)
         return 2

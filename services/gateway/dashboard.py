@@ -183,6 +183,8 @@ def dashboard_snapshot(metrics: GatewayMetrics, state: Callable[[], dict[str, An
         "health": health_components(extra.get("health") or {}, stats),
         "config": config,
         "events": [{"time": t, "text": text} for t, text in reversed(metrics.events)],
+        # every engine behind this gateway (data parallel): running, waiting, KV, where requests went
+        "engines": list((extra.get("health") or {}).get("engines") or []),
     }
 
 

@@ -27,6 +27,7 @@ import msgspec
 
 from services.gateway.detokenizer import TextStream
 from services.gateway.engine_client import EngineClient, EngineFailure, EngineUnavailable, RequestQueue
+from services.gateway.engine_pool import EnginePool
 from services.gateway.errors import APIError, retry_after_header, unavailable
 from services.gateway.metrics import GatewayMetrics, RequestRecord
 from services.gateway.tokenizer import GatewayTokenizer
@@ -73,7 +74,7 @@ class Choice:
 
 
 class Generation:
-    def __init__(self, engine: EngineClient, tokenizer: GatewayTokenizer, metrics: GatewayMetrics,
+    def __init__(self, engine: EngineClient | EnginePool, tokenizer: GatewayTokenizer, metrics: GatewayMetrics,
                  spec: GenerationSpec, base_id: str, priority: int, api_key_name: str | None) -> None:
         self.engine = engine
         self.metrics = metrics

@@ -53,6 +53,10 @@ class Fan:
         self._metrics = metrics
         self._base = base
 
+    def rebased(self, base: dict[str, str]) -> Fan:
+        """The same metrics under other base label values (one engine's view of a shared family)."""
+        return Fan(self._metrics, base)
+
     def _children(self, labels: dict[str, str]) -> list[Any]:
         return [m.labels(**self._base, **labels) for m in self._metrics]
 

@@ -34,7 +34,7 @@ from fastapi import Request
 
 from services.gateway.auth import Admission
 from services.gateway.body_check import RequestLimits
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine_pool import EnginePool
 from services.gateway.errors import APIError, retry_after_header
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.tokenizer import GatewayTokenizer, load_gateway_tokenizer
@@ -126,7 +126,7 @@ class GatewayState:
     config: GatewayConfig
     gateway_id: str
     tokenizer: GatewayTokenizer
-    engine: EngineClient
+    engine: EnginePool
     metrics: GatewayMetrics
     admission: Admission
     served_names: frozenset[str]
@@ -182,7 +182,8 @@ class GatewayState:
                 "version": ferry_version(), "model": self.model_name, "scheduler": self.engine.status(),
                 "redis": self.admission.health(),
                 "in_flight": {"requests": self.inflight.in_flight, "limit": self.inflight.limit},
-                "registry": self.registry.health() if self.registry is not None else {"registry": "absent"}}
+                "registry": self.registry.health() if self.registry is not None else {"registry": "absent"},
+                "engines": self.engine.engine_rows()}
 
     def effective_config(self) -> dict[str, Any]:
         gateway = config_as_dict(self.config)
@@ -242,10 +243,7 @@ def build_state(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None
     model_name = config.served_model_name or config.model
     metrics_ = GatewayMetrics(model_name, config.metrics_compat == "vllm",
                               max_model_len=tok.max_position_embeddings or 32768)
-    engine = EngineClient(config.scheduler_endpoint, gid, config.heartbeat_interval_s,
-                          config.scheduler_timeout_s, on_stats=metrics_.on_engine_stats,
-                          on_health=metrics_.on_engine_health, max_resumes=config.max_resumes,
-                          resume_timeout_s=config.resume_timeout_s, on_resumed=metrics_.on_requests_resumed)
+    engine = EnginePool(config, gid, metrics_)  # one engine or many (data parallel): the same interface
     registry = EngineRegistry(config, gid) if EngineRegistry is not None else None
     return GatewayState(config=config, gateway_id=gid, tokenizer=tok, engine=engine, metrics=metrics_,
                         admission=Admission(config, gid), served_names=frozenset({model_name}),

@@ -55,7 +55,15 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return service.run()
+    # the engine's registration in Redis and its HTTP probes (each off unless configured)
+    from services.scheduler.registration import EngineAnnouncer, snapshot_of
+
+    announcer = EngineAnnouncer(config, lambda: snapshot_of(service), service.clock)
+    announcer.start()
+    try:
+        return service.run()
+    finally:
+        announcer.stop()
 
 
 if __name__ == "__main__":

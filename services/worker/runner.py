@@ -30,6 +30,7 @@ from shared.grammar import load_tokenizer
 from shared.messages import StepPlan, StepResult
 from shared.models import resolve_model, tokenizer_dir
 
+from . import tensor_parallel
 from .attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from .batch import BatchState, RequestState
 from .kv_cache import KVCache, num_blocks_for_budget
@@ -61,6 +62,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         loaded = load_model(config.model, config.dtype, config.device, config.cache_dir)
+        # tensor parallel: shard the model for this rank and join the group (None: off)
+        self.tp = tensor_parallel.setup(config, loaded.model, loaded.config_dict)
+        kv_config = self.tp.kv_config(loaded.config_dict) if self.tp else loaded.config_dict
         self.model = loaded.model
         self.body = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
@@ -82,11 +86,11 @@ class ModelRunner:
             self.max_model_len = window
         self.block_size = config.block_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        budget = self._kv_budget(loaded.config_dict)
-        self.num_kv_blocks = num_blocks_for_budget(budget, loaded.config_dict, self.dtype, self.block_size)
+        budget = self._kv_budget(kv_config)
+        self.num_kv_blocks = num_blocks_for_budget(budget, kv_config, self.dtype, self.block_size)
         if self.num_kv_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
-        self.kv = KVCache.allocate(loaded.config_dict, self.num_kv_blocks, self.block_size, self.dtype, config.device)
+        self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.dtype, config.device)
         self.kv_cache_bytes = self.kv.nbytes
         self.batch = BatchState(self.block_size)
         self.sampler = Sampler(self.device)
@@ -94,6 +98,8 @@ class ModelRunner:
         self.constraints = ConstraintTracker(
             lambda: load_tokenizer(tokenizer_dir(resolve_model(model), config.cache_dir), vocab, eos),
             eos_token_ids=eos)
+        if self.tp:  # rank 0 alone applies the LM head and samples; the others receive its tokens
+            self.lm_head, self.sampler = self.tp.wrap(self.lm_head, self.sampler)
 
     def _kv_budget(self, config_dict: dict) -> int:
         if self.device.type != "cuda":

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.offline import LLM, GenerationParams
+from services.engine.offline import LLM, GenerationParams
 from tests.integration.test_offline_tiny import hf_greedy
 from tests.tiny_models import build_tiny_model
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.offline import LLM, GenerationParams
+from services.engine.offline import LLM, GenerationParams
 from shared.capacity import kv_block_bytes
 from tests.conftest import cached_tiny_model
 

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.worker.offline import LLM, GenerationParams
+from services.engine.offline import LLM, GenerationParams
 from shared.grammar import json_schema_grammar
 from tests.conftest import cached_tiny_model
 from tests.integration.test_offline_tiny import tiny_llm

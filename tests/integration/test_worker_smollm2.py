@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.offline import LLM, GenerationParams
+from services.engine.offline import LLM, GenerationParams
 
 pytestmark = pytest.mark.slow
 

@@ -191,3 +191,37 @@ def test_cpu_budgets_are_named_readably() -> None:
     assert parse_device("cpu:17179869184").name == "cpu:16GiB"
     assert readable_size(1536 << 20) == "1536MiB"
     assert readable_size(1000) == "1000B"
+
+
+def test_tensor_parallel_2_llama3_8b_on_h100_by_hand(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Per device: the projections halve, embeddings/norms/LM head stay whole, KV per token halves."""
+    opts = plan.PlanOptions(max_model_len=8192, concurrency=32, prompt_len=1024, output_len=512,
+                            tensor_parallel_size=2)
+    row = plan.plan_device(LLAMA3_8B, H100, opts, throughput=2000.0)
+    # embeddings + LM head (2 x 128256 x 4096) + norms (65 x 4096), whole on each device
+    whole = 2 * 525_336_576 + 266_240
+    # attention (32 x 41,943,040) + MLP (32 x 3 x 4096 x 14336), split in two
+    split = (1_342_177_280 + 5_637_144_576) // 2
+    weights = 2 * (whole + split)
+    assert weights == 9_081_200_640
+    # per token: 3 x 4096 hidden + (16 + 2 x 4) heads x 128 + 3 x 7168 intermediate, 2048 tokens, bf16;
+    # plus fp32 logits and probabilities for 32 rows of 128256
+    activations = 2048 * (12_288 + 3_072 + 21_504) * 2 + 2 * 32 * 128_256 * 4
+    assert activations == 183_828_480
+    budget = int(81559 * MIB * 0.9) - weights - activations - GIB
+    assert row["device"] == f"2x {H100.name}" and row["tensor_parallel_size"] == 2
+    assert row["weight_bytes"] == weights
+    assert row["activation_peak_bytes"] == activations
+    assert row["kv_budget_bytes"] == budget
+    assert row["kv_bytes_per_token"] == 65_536  # 8 KV heads split in two
+    assert row["kv_blocks"] == budget // (65_536 * 16)
+    assert row["usd_per_million_output_tokens"] == pytest.approx(2 * 2.50 / (2000 * 3600) * 1e6)
+    single = plan.plan_device(LLAMA3_8B, H100, plan.PlanOptions(max_model_len=8192, concurrency=32), None)
+    assert row["kv_blocks"] > 2 * single["kv_blocks"]  # half the KV per token and less weight per device
+    # the flag, and a size the model cannot be split by
+    model = write_model(tmp_path, LLAMA3_8B)
+    rc, rows, _ = run_json(["--model", model, "--devices", "h100", "--tensor-parallel-size", "2",
+                            "--max-model-len", "8192"], capsys)
+    assert rc == 0 and rows[0]["kv_bytes_per_token"] == 65_536
+    rc, _, err = run_json(["--model", model, "--devices", "h100", "--tensor-parallel-size", "3"], capsys)
+    assert rc == 2 and "does not divide the model's attention heads (32)" in err

@@ -113,6 +113,11 @@
     setText("updated-at", new Date(s.time * 1000).toLocaleTimeString());
     $("stale-badge").hidden = !e.stale;
 
+    const engines = s.engines || [];
+    fillBody($("engines"), engines.map((g) => [g.name, g.ready ? "ready" : (g.reason || "down"),
+      fmtInt(g.num_running), fmtInt(g.num_waiting), fmtPct(g.kv_usage), fmtPct(g.prefix_cache_hit_rate),
+      fmtInt(g.routed_total), g.endpoint]));
+    setText("engines-count", `(${engines.filter((g) => g.ready).length} of ${engines.length} ready)`);
     fillBody($("health"), (s.health || []).map(healthRow));
     fillBody($("events"), (s.events || []).map((ev) => [new Date(ev.time * 1000).toLocaleTimeString(), ev.text]));
     fillBody($("processes"), (s.processes || []).map((p) =>

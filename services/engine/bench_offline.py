@@ -1,7 +1,7 @@
 """Offline throughput: ferry's engine vs transformers ``generate`` (static batches) and
 transformers' continuous batching, on one mixed workload, in one process run.
 
-    python -m services.worker.bench_offline --out results/bench-offline.json   (make bench-offline)
+    python -m services.engine.bench_offline --out results/bench-offline.json   (make bench-offline)
 
 Workload (seeded): short chats sharing a system prompt, plus long documents, with
 varied output lengths. Every request generates exactly its ``max_tokens`` (EOS
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from .offline import LLM, GenerationParams
-from .runner import set_num_threads
+from services.engine.offline import LLM, GenerationParams
+from services.worker.runner import set_num_threads
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,8 @@ def run_ferry(work: Workload, dtype: str, args: argparse.Namespace) -> Run:
 def _hf_model(args: argparse.Namespace, dtype: str, attn: str | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
+    from services.worker.loader import DTYPES, model_dir
     from shared.models import resolve_model
-
-    from .loader import DTYPES, model_dir
 
     folder = model_dir(resolve_model(args.model))
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
@@ -196,7 +195,7 @@ def _isolated(system: str, dtype: str, argv: list[str]) -> Run:
     """One system in a fresh process: no thread pools, allocator state or leaked threads carry over."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        cmd = [sys.executable, "-m", "services.worker.bench_offline", *argv, "--one", f"{system}@{dtype}",
+        cmd = [sys.executable, "-m", "services.engine.bench_offline", *argv, "--one", f"{system}@{dtype}",
                "--out", str(out)]
         subprocess.run(cmd, check=True)
         return Run(**json.loads(out.read_text()))
@@ -211,7 +210,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.worker.bench_offline", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m services.engine.bench_offline", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--systems", default="ferry,hf-static,hf-cb")
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                                "total": best["ferry"].total_tok_s / run.total_tok_s}
                 print(f"{key:28s} output x{ratios[key]['output']:.2f}  total x{ratios[key]['total']:.2f}")
     report = {
-        "command": "python -m services.worker.bench_offline " + " ".join(argv),
+        "command": "python -m services.engine.bench_offline " + " ".join(argv),
         "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(),
                     "torch": torch.__version__, "loadavg": os.getloadavg()},
         "workload": {k: v for k, v in vars(args).items() if k != "out"},

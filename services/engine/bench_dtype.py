@@ -4,7 +4,7 @@ What decides ``--dtype auto`` on a CPU (docs/worker.md): for each dtype, greedy
 decodes of 64 tokens at batch 1 and batch 8, timed end to end. Prints one line per
 run and, last, one JSON object; ``--out`` also writes it.
 
-    python -m services.worker.bench_dtype --threads 2 --out results/bench-dtype.json
+    python -m services.engine.bench_dtype --threads 2 --out results/bench-dtype.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.worker.offline import LLM, GenerationParams
+from services.engine.offline import LLM, GenerationParams
 
 
 def measure(dtype: str, model: str, threads: int, batches: list[int], max_tokens: int) -> list[dict[str, Any]]:
@@ -39,7 +39,7 @@ def measure(dtype: str, model: str, threads: int, batches: list[int], max_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.worker.bench_dtype", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m services.engine.bench_dtype", description=__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtypes", default="float32,bfloat16")

@@ -1,7 +1,7 @@
 """What structured outputs cost: decode step time with 0, 1 and all requests of a batch under a grammar,
 and the compile time of a grammar per schema (first time, and from the cache).
 
-    python -m services.worker.grammar_bench --model smollm2-135m-instruct --batch 16 --out grammar.json
+    python -m services.engine.grammar_bench --model smollm2-135m-instruct --batch 16 --out grammar.json
 
 The batch decodes greedily (``ignore_eos``) in lock-step through the real scheduler and
 model runner; only steps in which every request decodes are timed. Constrained requests
@@ -94,7 +94,7 @@ def _decode_round(llm: Any, batch: int, num_constrained: int, steps: int, gramma
 
 def step_times(model: str, dtype: str, batch: int, steps: int, threads: int, rounds: int) -> dict[str, dict[str, float]]:
     """The three cases interleaved, round after round, so that they share the machine's conditions."""
-    from services.worker.offline import LLM
+    from services.engine.offline import LLM
 
     llm = LLM(model=model, dtype=dtype, kv_cache_memory=256 << 20, num_threads=threads,
               max_num_seqs=batch, max_num_batched_tokens=max(512, batch * 32))

@@ -1,6 +1,6 @@
 """The offline engine: scheduler and model runner in one process, for batch jobs and tests.
 
-    from services.worker.offline import LLM, GenerationParams
+    from services.engine.offline import LLM, GenerationParams
     llm = LLM(model="smollm2-135m-instruct", dtype="float32", kv_cache_memory=256 << 20)
     outs = llm.generate(["Once upon a time"], GenerationParams(max_tokens=32, temperature=0))
     outs = llm.chat([[{"role": "user", "content": "Hi"}]], GenerationParams(max_tokens=32))
@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from services.scheduler.scheduler import Scheduler
+from services.worker.runner import ModelRunner, set_num_threads
 from shared.config import SchedulerConfig, WorkerConfig
 from shared.messages import (
     AddRequest,
@@ -31,7 +33,7 @@ from shared.messages import (
 )
 from shared.models import DEFAULT_MODEL
 
-from .runner import ModelRunner, set_num_threads
+from .tp_ranks import HelperRanks
 
 GATEWAY_ID = "offline"
 MAX_IDLE_STEPS = 1000  # steps that schedule nothing while work remains: a scheduler bug, not a wait
@@ -105,6 +107,7 @@ class LLM:
         max_model_len: int = 0,
         num_threads: int = 0,
         cache_dir: str = "",
+        tensor_parallel_size: int = 1,
         **scheduler_knobs: Any,
     ) -> None:
         set_num_threads(num_threads)
@@ -114,14 +117,39 @@ class LLM:
             model=model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, block_size=block_size,
             max_model_len=max_model_len, num_threads=num_threads, cache_dir=cache_dir,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
-            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_num_seqs=self.scheduler_config.max_num_seqs, tensor_parallel_size=tensor_parallel_size,
         )
-        self.runner = ModelRunner(self.worker_config)
+        # tensor parallel: ranks 1..N-1 in child processes, rank 0 here (tp_ranks.py)
+        self.helpers = HelperRanks(self.worker_config) if tensor_parallel_size > 1 else None
+        try:
+            config = self.helpers.rank0_config(self.worker_config) if self.helpers else self.worker_config
+            self.runner = ModelRunner(config)
+            others = self.helpers.wait_ready() if self.helpers else []
+        except BaseException:
+            self.close()
+            raise
         self._tokenizer: Any = None
         self._next_id = 0
-        from services.scheduler.scheduler import Scheduler
+        # the KV block count is the smallest any rank has (as the scheduler service does)
+        self.num_kv_blocks = min([self.runner.num_kv_blocks] + [n for n, _ in others])
+        max_model_len = min([self.runner.max_model_len] + [m for _, m in others])
+        self.scheduler = Scheduler(self.scheduler_config, self.num_kv_blocks, max_model_len)
 
-        self.scheduler = Scheduler(self.scheduler_config, self.runner.num_kv_blocks, self.runner.max_model_len)
+    def close(self) -> None:
+        """Stop the helper ranks and leave the tensor-parallel group (a no-op without one)."""
+        helpers, self.helpers = getattr(self, "helpers", None), None
+        if helpers is not None:
+            helpers.close()
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:
@@ -193,6 +221,8 @@ class LLM:
                     out = outputs[req.req_id]
                     out.finish_reason, out.error = rejected.reason, rejected.message
             plan = sched.schedule()
+            if self.helpers is not None:
+                self.helpers.send(plan)  # every rank runs every plan; rank 0's result is the one read
             result = self.runner.execute(plan)
             sched.update_from_result(plan, result)
             idle = 0 if plan.total_num_scheduled_tokens else idle + 1
