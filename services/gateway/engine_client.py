@@ -249,6 +249,16 @@ class EngineClient:
         self._orphans.update(old_wires)  # a scheduler that still knows them must drop them
         for stream in cannot:
             stream.queue.put_nowait((stream.req_id, EngineFailure(message)))
+        # With several engines (engine_pool.py), a request that never started is better sent to
+        # another engine at once than held until this scheduler returns: its queue says whether
+        # one can take it. Started requests stay held and resume here (a pause, not an error).
+        for req_id, stream in list(self._streams.held.items()):
+            can_reroute = getattr(stream.queue, "can_reroute", None)
+            if not stream.output_token_ids and can_reroute is not None and can_reroute(req_id):
+                del self._streams.held[req_id]
+                stream.queue.put_nowait((req_id, EngineFailure(message)))
+        if not self._streams.held:
+            self._streams.held_since = None
         if self._streams.held:
             log.warning("holding in-flight requests until a scheduler is ready",
                         extra={"cause": cause, "held": len(self._streams.held)})

@@ -114,6 +114,10 @@ class _RoutedQueue(RequestQueue):
         self.tried = tried
         self.started: set[str] = set()
 
+    def can_reroute(self, req_id: str) -> bool:
+        """Whether a request of this submit that lost its engine could go to another one now."""
+        return req_id in self.adds and req_id not in self.started and self.pool.has_other_engine(self.tried)
+
     def put_nowait(self, item: tuple[str, StreamItem]) -> None:
         req_id, msg = item
         if isinstance(msg, RequestDelta) and (msg.new_token_ids or msg.finish_reason is not None):
@@ -300,6 +304,10 @@ class EnginePool:
         if name is not None:
             log.info("request re-routed", extra={"req_id": add.req_id, "engine": name})
         return name is not None
+
+    def has_other_engine(self, tried: Collection[str]) -> bool:
+        """Is there a ready engine this request has not been sent to yet?"""
+        return any(name not in tried and m.client.readiness()[0] for name, m in self.members.items())
 
     def default_queue_timeout_s(self) -> float | None:
         """The engines' ``queue_timeout_s`` as last reported (the first engine that reports one)."""
