@@ -58,3 +58,12 @@ bench-overload: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# docker-compose.yml really started with podman: images built, the stack up, requests,
+# Prometheus, the dashboard's queries, a worker killed mid-stream, down (root; minutes;
+# not in CI). Writes results/compose-check.json; see docs/deployment.md.
+.PHONY: compose-check
+compose-check:
+	@mkdir -p results
+	bash deploy/compose-check/prepare.sh > results/compose-check.env
+	python3 deploy/compose-check/check.py --env $$(cat results/compose-check.env)
