@@ -169,9 +169,10 @@ def dashboard_queries(path: Path, query: PromQuery, window_s: int) -> dict[str, 
                                                     "end": f"{end:.0f}", "step": "5"})
             ok = answer.get("status") == "success"
             series = answer["data"]["result"] if ok else []
-            points = sum(len(s["values"]) for s in series)
-            targets.append({"expr": target["expr"], "ok": ok, "series": len(series), "points": points,
-                            "error": None if ok else answer.get("error")})
+            values = [v for s in series for _, v in s["values"]]
+            nonzero = sum(v not in ("0", "NaN", "+Inf", "-Inf") for v in values)
+            targets.append({"expr": target["expr"], "ok": ok, "series": len(series), "points": len(values),
+                            "nonzero": nonzero, "error": None if ok else answer.get("error")})
         if targets:
             panels.append({"title": panel.get("title"), "type": panel.get("type"), "targets": targets})
     all_targets = [t for p in panels for t in p["targets"]]
@@ -181,5 +182,7 @@ def dashboard_queries(path: Path, query: PromQuery, window_s: int) -> dict[str, 
         "queries_ok": sum(t["ok"] for t in all_targets),
         "panels_with_data": sum(any(t["points"] for t in p["targets"]) for p in panels),
         "panels_without_data": [p["title"] for p in panels if not any(t["points"] for t in p["targets"])],
+        # A gauge at 0 is data too; these panels showed the requests actually served.
+        "panels_with_nonzero": [p["title"] for p in panels if any(t["nonzero"] for t in p["targets"])],
         "detail": panels,
     }
