@@ -129,6 +129,9 @@ def stream_completion(base: str, model: str, prompt: str, max_tokens: int, *, ig
 PromQuery = Callable[[str, dict[str, str]], dict[str, Any]]
 """(API path, parameters) -> the decoded answer of Prometheus's HTTP API."""
 
+PromQueries = Callable[[list[tuple[str, dict[str, str]]]], list[dict[str, Any]]]
+"""Many queries at once (one ``podman exec`` instead of one per query)."""
+
 
 def prom_value(query: PromQuery, expr: str) -> list[dict[str, Any]]:
     """An instant query's result vector; raises on an API error."""
@@ -155,18 +158,21 @@ def grafana_expr(expr: str) -> str:
     return expr
 
 
-def dashboard_queries(path: Path, query: PromQuery, window_s: int) -> dict[str, Any]:
+def dashboard_queries(path: Path, query_many: PromQueries, window_s: int) -> dict[str, Any]:
     """Every panel's every query of the provisioned dashboard as a range query over the
     last ``window_s`` seconds, exactly as Grafana's Prometheus data source would send it."""
     dashboard = json.loads(path.read_text())
     end = time.time()
+    wanted = [(panel, target) for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    answers = query_many([("/api/v1/query_range", {"query": grafana_expr(t["expr"]), "start": f"{end - window_s:.0f}",
+                                                   "end": f"{end:.0f}", "step": "5"}) for _, t in wanted])
+    by_panel: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for (panel, target), answer in zip(wanted, answers, strict=True):
+        by_panel.setdefault(id(panel), []).append((target, answer))
     panels = []
     for panel in dashboard["panels"]:
         targets = []
-        for target in panel.get("targets", []):
-            expr = grafana_expr(target["expr"])
-            answer = query("/api/v1/query_range", {"query": expr, "start": f"{end - window_s:.0f}",
-                                                    "end": f"{end:.0f}", "step": "5"})
+        for target, answer in by_panel.get(id(panel), []):
             ok = answer.get("status") == "success"
             series = answer["data"]["result"] if ok else []
             values = [v for s in series for _, v in s["values"]]
