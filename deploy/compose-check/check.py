@@ -161,7 +161,8 @@ class Check:
     # --- the scenario ---------------------------------------------------------------
     def up_and_ready(self, label: str) -> None:
         with self.step(f"{label}: compose up ({', '.join(SERVICES)})") as r:
-            self.compose_cmd("up", "-d", *SERVICES, timeout=900)
+            proc = self.compose_cmd("up", "-d", *SERVICES, timeout=900)
+            r["compose_warnings"] = sorted({line for line in proc.stderr.splitlines() if "WARNING" in line})
             running = {s: c["State"] for s, c in self.containers().items()}
             r["containers"] = running
             missing = [s for s in SERVICES if running.get(s) != "running"]
@@ -198,6 +199,8 @@ class Check:
             r["up"] = prom_value(self.prom, 'up{job="ferry-gateway"}')
             generated = prom_value(self.prom, "max(ferry:generation_tokens_total)")
             r["ferry:generation_tokens_total"] = generated
+            steps = prom_value(self.prom, "max(ferry:iteration_duration_seconds_sum) / max(ferry:iteration_duration_seconds_count)")
+            r["mean_step_seconds"] = round(float(steps[0]["value"][1]), 3) if steps else None
             if not r["up"] or r["up"][0]["value"][1] != "1" or float(generated[0]["value"][1]) < 32:
                 raise AssertionError("the gateway target is not up, or the tokens generated are not counted")
         with self.step("Grafana: provisioned dashboard listed by its HTTP API", required=False) as r:
@@ -351,6 +354,7 @@ class Check:
                 except OSError:
                     target.write_bytes(wheel.read_bytes())
                 linked.append(target)
+        offered = sorted(p.name for p in wheels.glob("*.whl"))
         start = time.monotonic()
         try:
             # PyPI is reached through a TLS proxy whose CA only the host's bundle has: the
@@ -369,7 +373,7 @@ class Check:
             "size_mb": round(info["Size"] / 1e6), "user": info["Config"].get("User"),
             "layers": [{"mb": round(h["size"] / 1e6, 1), "created_by": h["CreatedBy"][:120]}
                        for h in history if h.get("size")],
-            "torch_wheels_offered": [p.name for p in linked],
+            "wheels_offered": offered,
         }
 
 
@@ -405,7 +409,7 @@ def main() -> int:
             "stand_in_images": {"python:3.11-slim": "debootstrap bookworm + Debian python3.11 (prepare.sh)",
                                 "redis": env.get("FERRY_REDIS_IMAGE"), "prometheus": env.get("FERRY_PROMETHEUS_IMAGE")},
             "grafana": {"status": "blocked", "reason": GRAFANA_BLOCKED},
-            "steps": check.steps, "logs": str(logs),
+            "steps": check.steps, "logs": str(logs), "json": str(out),
         }
         out.write_text(json.dumps(report, indent=1))
         summarise(report)
@@ -417,8 +421,23 @@ def summarise(report: dict[str, Any]) -> None:
     for s in report["steps"]:
         mark = "PASS" if s["ok"] else ("BLOCKED" if s.get("status") == "blocked" else "FAIL")
         print(f"  {mark:7} {s['step']} [{s['seconds']}s]" + (f"  -- {s.get('error')}" if not s["ok"] else ""))
-    print(f"  {'PASSED' if report['passed'] else 'FAILED'} in {report['minutes']} min; "
-          f"Grafana: {report['grafana']['status']}; JSON: {report['logs']}.json")
+    by_name = {s["step"]: s for s in report["steps"]}
+
+    def fact(step: str, key: str) -> Any:
+        return next((s.get(key) for name, s in by_name.items() if name.startswith(step)), None)
+
+    print(f"  image: {fact('build', 'size_mb')} MB, user {fact('build', 'user')}; "
+          f"first start healthy after {fact('first up (empty model cache): health', 'seconds')} s "
+          f"(model conversion), second after {fact('second up (model cache volume kept): health', 'seconds')} s")
+    print(f"  worker killed mid-stream: longest stream gap {fact('worker container killed', 'longest_gap_s')} s, "
+          f"restarts {fact('worker container killed', 'restart_count')}; gateway stop drained in "
+          f"{fact('gateway stopped', 'stop_seconds')} s, exit {fact('gateway stopped', 'exit_code')}; "
+          f"mean engine step {fact('Prometheus', 'mean_step_seconds')} s")
+    stats = fact("resource use", "stats") or {}
+    print("  memory: " + ", ".join(f"{k} {v['mem_usage'].split(' /')[0]}" for k, v in stats.items()))
+    print(f"  {'PASSED' if report['passed'] else 'FAILED'} in {report['minutes']} min "
+          f"(load average {report['load_average'][0]:.1f}); Grafana: {report['grafana']['status']}; "
+          f"JSON: {report['json']}")
 
 
 if __name__ == "__main__":
