@@ -311,7 +311,8 @@ class Check:
     def run(self) -> bool:
         self.facts["versions"] = {
             "podman": self.podman("version", "--format", "{{.Client.Version}}").stdout.strip(),
-            "podman-compose": self.sh(self.compose, "version", check=False).stdout.strip().splitlines()[-1:],
+            "podman-compose": [line for line in self.sh(self.compose, "version", check=False).stdout.splitlines()
+                               if "podman-compose" in line][:1],
             "runc": self.sh("runc", "--version").stdout.splitlines()[0],
         }
         self.compose_cmd("down", "-v", timeout=300, check=False)  # a clean slate: fresh volumes
