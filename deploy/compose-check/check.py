@@ -197,6 +197,11 @@ class Check:
             r["seconds_until_scraped"] = round(wait_until("ferry:num_requests_running in Prometheus", scraped, 120, 3), 1)
             r["ferry:num_requests_running"] = prom_value(self.prom, "ferry:num_requests_running")
             r["up"] = prom_value(self.prom, 'up{job="ferry-gateway"}')
+            # The first scrape may fall mid-stream: wait for one after the 32 streamed tokens.
+            def counted() -> bool:
+                total = prom_value(self.prom, "max(ferry:generation_tokens_total)")
+                return bool(total) and float(total[0]["value"][1]) >= 32
+            r["seconds_until_counted"] = round(wait_until("the streamed tokens in Prometheus", counted, 60, 2), 1)
             generated = prom_value(self.prom, "max(ferry:generation_tokens_total)")
             r["ferry:generation_tokens_total"] = generated
             steps = prom_value(self.prom, "max(ferry:iteration_duration_seconds_sum) / max(ferry:iteration_duration_seconds_count)")
