@@ -63,3 +63,22 @@ bench-overload: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# docker-compose.yml really started with podman: images built, the stack up, requests,
+# Prometheus, the dashboard's queries, a worker killed mid-stream, down (root; minutes;
+# not in CI). Writes results/compose-check.json; see docs/deployment.md.
+.PHONY: compose-check
+compose-check:
+	@mkdir -p results
+	bash deploy/compose-check/prepare.sh > results/compose-check.env
+	python3 deploy/compose-check/check.py --env $$(cat results/compose-check.env)
+
+# Removes what compose-check left on the machine: its images (ferry's, the stand-ins
+# built from Debian packages) and its state folder (containers.conf, podman-compose venv).
+.PHONY: compose-check-clean
+compose-check-clean:
+	-CONTAINERS_CONF=$${FERRY_CHECK_STATE:-$$HOME/.cache/ferry-compose-check}/containers.conf podman rmi -i \
+		localhost/ferry:compose-check localhost/ferry-check/redis:bookworm localhost/ferry-check/prometheus:bookworm \
+		docker.io/library/python:3.11-slim docker.io/library/debian:bookworm-slim
+	-CONTAINERS_CONF=$${FERRY_CHECK_STATE:-$$HOME/.cache/ferry-compose-check}/containers.conf podman image prune -f
+	rm -rf $${FERRY_CHECK_STATE:-$$HOME/.cache/ferry-compose-check} results/compose-check.env

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +143,57 @@ def test_dockerfile_runs_the_service_named_by_the_command() -> None:
     for _, svc in ferry_services():
         module = svc["command"][0]
         assert (ROOT / module.replace(".", "/") / "__main__.py").is_file(), module
+
+
+def test_every_service_has_a_memory_limit_and_a_drain_window() -> None:
+    services = load_compose()["services"]
+    for name, svc in services.items():
+        limit = interpolate(svc["deploy"]["resources"]["limits"]["memory"])
+        assert re.fullmatch(r"\d+[MG]", limit), f"{name}: memory limit {limit!r}"
+    seconds = lambda v: float(str(v).removesuffix("s"))  # noqa: E731
+    for name in ("scheduler", "gateway"):
+        svc = services[name]
+        grace = float(interpolate(svc["environment"]["FERRY_SHUTDOWN_GRACE_S"]))
+        # The runtime SIGKILLs after stop_grace_period: the drain must fit inside it.
+        assert seconds(svc["stop_grace_period"]) > grace + 5, name
+        assert svc["init"] is True, f"{name}: SIGTERM must reach python through an init"
+
+
+def test_the_build_context_holds_what_the_dockerfile_reads() -> None:
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    ignore = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert ignore[0] == "*"  # everything not named below stays out (venvs, .git, results)
+    sources = re.findall(r"^COPY (\S+) ", text, re.M) + re.findall(r"source=([\w/]+)", text)
+    assert "deploy/wheels" in sources
+    for src in sources:
+        assert f"!{src.rstrip('/')}/" in ignore or f"!{src}" in ignore, f"{src} is excluded by .dockerignore"
+        assert (ROOT / src).exists(), src
+
+
+def test_the_compose_check_stands_in_for_exactly_the_base_image() -> None:
+    """The check builds the Dockerfile unchanged on a stand-in tagged with its FROM name."""
+    base = re.findall(r"^FROM (\S+)", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
+    assert base == ["python:3.11-slim"]
+    prepare = (ROOT / "deploy" / "compose-check" / "prepare.sh").read_text()
+    assert f"build docker.io/library/{base[0]} " in prepare
+
+
+def test_every_dashboard_query_resolves_its_grafana_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check sends the dashboard's queries to Prometheus as Grafana would: a new
+    dashboard variable it does not substitute must fail here, not in a run as root."""
+    spec = importlib.util.spec_from_file_location("probes", ROOT / "deploy" / "compose-check" / "probes.py")
+    assert spec is not None and spec.loader is not None
+    probes = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "probes", probes)  # dataclasses look their module up
+    spec.loader.exec_module(probes)
+    import json
+
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "ferry.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) > 20
+    resolved = [probes.grafana_expr(e) for e in exprs]
+    assert all("$" not in e for e in resolved)
+    assert 'model_name=~".*"' in resolved[0]
+    with pytest.raises(ValueError):
+        probes.grafana_expr("rate(x[$__unknown])")
