@@ -102,6 +102,7 @@ class SchedulerService:
         self.model = ""
         self.step: StepInFlight | None = None
         self.last_step_id = 0
+        self.last_result_time: float | None = None  # perf_counter of the last result, while steps follow on
         self.flush = False
         self.core_num_kv_blocks = 0
         self.stop_requested = False
@@ -158,6 +159,8 @@ class SchedulerService:
             scheduled = self._step()
             if not scheduled:
                 self._poll(EMPTY_STEP_POLL_S)
+        else:
+            self.last_result_time = None  # the next step starts a fresh cycle, not an idle gap
         self._send_deltas()
         self._maybe_send_stats()
 
@@ -390,6 +393,7 @@ class SchedulerService:
     def _step(self) -> bool:
         """Schedule, publish and complete one step. Returns False if nothing ran."""
         assert self.core is not None
+        t_start = time.perf_counter()
         plan = self.core.schedule()
         self.last_step_id = plan.step_id
         self.flush = False
@@ -397,18 +401,37 @@ class SchedulerService:
             if plan.finished_req_ids or plan.preempted_req_ids:
                 self.plan_sock.send(encode(plan))  # workers must still drop those requests
             self.core.update_from_result(plan, StepResult(step_id=plan.step_id, rank=0))
+            self.last_result_time = None
             return False
         self.step = StepInFlight(plan, self.clock() + self.config.step_timeout_s)
         self.plan_sock.send(encode(plan))
+        t_sent = time.perf_counter()
         result = self._wait_for_results()
+        t_result = time.perf_counter()
         self.step = None
         if result is not None:
             self.core.update_from_result(plan, result)
             self.flush = True  # requests may have finished: the next plan tells the workers
+            self._record_phases(t_start, t_sent, t_result, result)
+        else:
+            self.last_result_time = None
         deferred, self.deferred = self.deferred, []
         for msg in deferred:
             self._handle_gateway(msg)
         return True
+
+    def _record_phases(self, t_start: float, t_sent: float, t_result: float, result: StepResult) -> None:
+        """Split one step cycle into schedule, forward, sample and idle (EngineStats.step_*_s).
+
+        The cycle runs from the previous step's result (when steps follow each other)
+        or from this step's schedule() to this result; idle is what the worker's
+        forward and sample leave of it."""
+        assert self.core is not None
+        cycle_start = self.last_result_time if self.last_result_time is not None else t_start
+        busy = result.forward_s + result.sample_s
+        idle = max(0.0, (t_result - cycle_start) - busy)
+        self.core.counters.record_step_phases(t_sent - t_start, result.forward_s, result.sample_s, idle)
+        self.last_result_time = t_result
 
     def _wait_for_results(self) -> StepResult | None:
         """Block (in poll, never spinning) until every rank answered; None if the step was lost."""
