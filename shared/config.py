@@ -73,6 +73,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A ready worker silent (no heartbeat, no result) for this long is declared dead."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM: how long in-flight requests may run before the process stops anyway."""
+    async_scheduling: bool = False
+    """Plan step N+1 while the workers run step N (vLLM's name): hides the scheduler's
+    per-step work behind the forward; a request that stops at N computes one discarded
+    token in N+1. Off by default: see docs/benchmarks.md, "Serving overhead (issue 11)"."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import ServeProcess, openai_client, serve_cluster, wait_for
+from tests.integration.conftest import ServeProcess, openai_client, read_metrics, serve_cluster, wait_for
 
 __all__ = ["serve_cluster"]  # the module-scoped fixture, re-exported for pytest
 
@@ -86,3 +86,45 @@ def test_step_phases_exist_and_move_under_load(serve_cluster: ServeProcess, tmp_
     assert all(s is not None and 0.0 <= s <= 1.0 for s in shares), window
     assert abs(sum(shares) - 1.0) < 1e-6, shares
     assert window["step_mean_s"] > 0 and window["tokens_per_step"] >= 1.0
+
+
+def _kv_free(base_url: str) -> tuple[float, float]:
+    m = read_metrics(base_url)
+    return m["ferry:num_kv_blocks_free"], m["ferry:num_kv_blocks"]
+
+
+def test_async_scheduling_gives_identical_outputs_and_leaks_no_blocks(serve_cluster: ServeProcess,
+                                                                       tmp_path: Path) -> None:
+    """The same greedy prompts (stops by EOS, by length, by stop id) on the synchronous
+    server and on one with --async-scheduling: the same tokens, and every KV block free after."""
+    prompts = [f"Story {i}: once upon a time" for i in range(10)]
+    stop_ids = [[], [], [13], [], [29], [], [], [], [], []]
+
+    def run(base: str) -> list[tuple[str, str]]:
+        client = openai_client(base)
+        model = client.models.list().data[0].id
+
+        def one(i: int) -> tuple[str, str]:
+            extra: dict[str, object] = {"ignore_eos": i % 3 == 0}
+            if stop_ids[i]:
+                extra["stop_token_ids"] = stop_ids[i]
+            out = client.completions.create(model=model, prompt=prompts[i], max_tokens=5 + 3 * i, temperature=0,
+                                            extra_body=extra)
+            return out.choices[0].text, out.choices[0].finish_reason
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    serve_async = ServeProcess(serve_cluster.model, tmp_path, ["--async-scheduling", "true"]).start()
+    try:
+        serve_async.wait_ready()
+        got_async = run(serve_async.base_url)
+        got_sync = run(serve_cluster.base_url)
+        assert got_async == got_sync
+        assert {reason for _, reason in got_sync} >= {"length"}
+        for base in (serve_async.base_url, serve_cluster.base_url):
+            wait_for(lambda b=base: _kv_free(b)[0] == _kv_free(b)[1], 20.0, what="every KV block free")  # type: ignore[misc]
+        assert "async_scheduling" in httpx.get(f"{serve_async.base_url}/v1/config", timeout=5,
+                                               trust_env=False).text
+    finally:
+        serve_async.kill()
