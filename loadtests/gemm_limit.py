@@ -109,6 +109,22 @@ def measure(dims: ModelDims, trace: TraceShape, dtype_name: str, threads: int,
         add("prefill", name, chunk, k, n, num_prompt * dims.num_layers)
         add("decode", name, batch, k, n, batch * num_decode_steps * dims.num_layers)
     add("lm_head", "lm_head", batch, dims.hidden_size, dims.vocab_size, batch * trace.output_tokens)
+    return summarize(dims, trace, dtype_name, threads, parts)
+
+
+def best_of(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two measurements of the same limit (e.g. before and after a long run on a shared
+    machine) merged shape by shape: the faster rate is the closer one to the hardware's."""
+    parts = []
+    for x, y in zip(a["shapes"], b["shapes"], strict=True):
+        best = dict(x if x["gflop_s"] >= y["gflop_s"] else y)
+        parts.append(best)
+    dims = ModelDims(**a["model"])
+    return summarize(dims, TraceShape(**a["trace"]), a["dtype"], a["threads"], parts)
+
+
+def summarize(dims: ModelDims, trace: TraceShape, dtype_name: str, threads: int,
+              parts: list[dict[str, Any]]) -> dict[str, Any]:
     by_part: dict[str, dict[str, float]] = {}
     for p in parts:
         agg = by_part.setdefault(p["part"], {"tflop": 0.0, "seconds": 0.0})
