@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.arrivals import ArrivalSpec
@@ -88,18 +89,40 @@ def phase_sums(base_url: str) -> dict[str, float]:
     return out
 
 
+def cpu_seconds(server: ManagedServer) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each process of the stack, by role, and of this
+    client process: who takes the cores from the worker."""
+    out: dict[str, float] = {}
+    assert server.proc is not None
+    procs = [psutil.Process(server.proc.pid)]
+    procs += procs[0].children(recursive=True)
+    for proc in procs:
+        try:
+            cmd = " ".join(proc.cmdline())
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        role = next((r for r in ("worker", "scheduler", "gateway", "redis") if r in cmd), "supervisor")
+        out[role] = out.get(role, 0.0) + times.user + times.system
+    own = psutil.Process().cpu_times()
+    out["client"] = own.user + own.system
+    return out
+
+
 def serve_one(server: ManagedServer, trace: Trace, timeout_s: float) -> dict[str, Any]:
     client = ClientConfig(server.base_url, SERVED_NAME, request_timeout_s=timeout_s, ignore_eos=True)
     settings = BenchSettings(client, metrics_url=None, quiet=True)
     n = len(trace.requests)
-    before = phase_sums(server.base_url)
+    before, cpu_before = phase_sums(server.base_url), cpu_seconds(server)
     result = run_once(trace, RunPlan("burst", 24 * 3600.0, ArrivalSpec("closed"), concurrency=n), settings)
+    cpu_after = cpu_seconds(server)
     time.sleep(1.0)  # the last EngineStats reach the gateway every 0.25 s
     after = phase_sums(server.base_url)
     summary = result["summary"]
     spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
     return {"seconds": summary["duration_s"], "output_tokens": summary["total_output_tokens"],
-            "output_tok_s": summary["output_tok_s"], "errors": summary["errors"], **spent}
+            "output_tok_s": summary["output_tok_s"], "errors": summary["errors"], **spent, "cpu_s": cpu}
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -127,6 +150,11 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {i + 1} | {of['output_tok_s']:.1f} | {sv['output_tok_s']:.1f} | "
                      f"{sv['output_tok_s'] / of['output_tok_s']:.3f} | {of['forward'] + of['sample']:.1f} | "
                      f"{sv.get('forward', 0) + sv.get('sample', 0):.1f} | {sv.get('idle', 0):.1f} |")
+    cpu = [r["serve"].get("cpu_s") for r in runs if r["serve"].get("cpu_s")]
+    if cpu:
+        roles = sorted({k for c in cpu for k in c})
+        lines += ["", "CPU seconds per serve run, by process (2 cores = 2 CPU-seconds per second of run): " + "; ".join(
+            f"{role} {statistics.fmean(c.get(role, 0.0) for c in cpu):.1f}" for role in roles) + "."]
     lines += [
         "", f"offline: mean {o['mean']:.1f} out tok/s (stdev {o['stdev']:.1f}, {o['min']:.1f}-{o['max']:.1f}); "
         f"serve: mean {s['mean']:.1f} (stdev {s['stdev']:.1f}, {s['min']:.1f}-{s['max']:.1f}); "
