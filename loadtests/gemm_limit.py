@@ -138,3 +138,19 @@ def summarize(dims: ModelDims, trace: TraceShape, dtype_name: str, threads: int,
         "parts": by_part, "shapes": parts, "seconds": total_s,
         "output_tok_s": trace.num_requests * trace.output_tokens / total_s,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loadtests.gemm_limit MODEL_DIR DTYPE THREADS N PROMPT OUTPUT``: one measurement as JSON
+    (a child process, so the caller chooses the OpenMP environment it starts with)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    model_dir, dtype, threads, n, prompt, output = args
+    trace = TraceShape(int(n), int(prompt), int(output))
+    print(json.dumps(measure(ModelDims.from_config(Path(model_dir)), trace, dtype, int(threads))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -207,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             write_trace(trace, path)
             cmd = [sys.executable, "-m", "loadtests.overhead", "--offline-one", str(path), "--dtype", args.dtype,
                    "--threads", str(args.threads), "--model", args.model]
-            offline = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+            # The offline engine with the OpenMP wait policy ferry serve gives its worker.
+            env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+            offline = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout)
             log(f"repeat {i + 1}: offline {offline['output_tok_s']:.1f} out tok/s")
             served = serve_one(server, trace, args.request_timeout)
             log(f"repeat {i + 1}: serve {served['output_tok_s']:.1f} out tok/s "
