@@ -103,7 +103,9 @@ def cpu_seconds(server: ManagedServer) -> dict[str, float]:
             times = proc.cpu_times()
         except psutil.Error:
             continue
-        role = next((r for r in ("worker", "scheduler", "gateway", "redis") if r in cmd), "supervisor")
+        role = next((r for r, mark in (("worker", "services.worker"), ("scheduler", "services.scheduler"),
+                                       ("gateway", "services.gateway"), ("redis", "redis-server")) if mark in cmd),
+                    "supervisor")
         out[role] = out.get(role, 0.0) + times.user + times.system
     own = psutil.Process().cpu_times()
     out["client"] = own.user + own.system
