@@ -37,3 +37,15 @@ def test_an_operators_openmp_policy_wins(monkeypatch: pytest.MonkeyPatch) -> Non
         assert "OMP_WAIT_POLICY" not in w.env and w.env["GOMP_SPINCOUNT"] == "10000"
     s = stack(monkeypatch, OMP_WAIT_POLICY="ACTIVE")
     assert all(w.env["OMP_WAIT_POLICY"] == "ACTIVE" for w in s.by_role("worker"))
+
+
+def test_a_worker_started_any_other_way_defaults_to_passive_too() -> None:
+    from services.worker.service import default_openmp_wait_policy
+
+    env: dict[str, str] = {}
+    default_openmp_wait_policy(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "5000"}):
+        env = dict(chosen)
+        default_openmp_wait_policy(env)
+        assert env == chosen
