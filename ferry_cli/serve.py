@@ -17,7 +17,9 @@ requests finish within ``--shutdown-grace-s``, then the scheduler, workers and
 Redis stop. A second signal stops everything at once.
 
 Threads: the workers get the cores (``--num-threads`` each, default: cores /
-workers); the gateway, scheduler and Redis get one thread each and never spin.
+workers) with ``OMP_WAIT_POLICY=PASSIVE`` (their OpenMP threads sleep at barriers
+rather than spin, since the cores are shared); the gateway, scheduler and Redis get
+one thread each and never spin.
 """
 
 from __future__ import annotations
@@ -173,8 +175,15 @@ class Stack:
             "FERRY_LOG_FORMAT": args.log_format, "FERRY_LOG_PROMPTS": "true" if args.log_prompts else "false",
         }
         light_env = {**base_env, **SINGLE_THREAD_ENV}
+        # OMP_WAIT_POLICY=PASSIVE: an OpenMP thread that reaches a barrier sleeps instead of
+        # spinning. The worker never has the cores to itself (the gateway, scheduler, Redis and
+        # clients run beside it), and a spinning thread then burns the core its straggling
+        # sibling needs: 2-thread matmuls ran 10-30x slower with libgomp's default spin on a
+        # shared 2-core machine (docs/benchmarks.md, "Serving overhead (issue 11)"). An
+        # operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+        wait_policy = {} if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ) else {"OMP_WAIT_POLICY": "PASSIVE"}
         worker_env = {**base_env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                      "TOKENIZERS_PARALLELISM": "false"}
+                      "TOKENIZERS_PARALLELISM": "false", **wait_policy}
         if self.tp > 1:  # all ranks on this host: gloo's connections over loopback
             worker_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         py = [sys.executable, "-m"]

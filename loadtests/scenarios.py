@@ -9,6 +9,9 @@ The three seed traffic groups of the method, plus their mix:
   reused by many requests, varied output lengths, clients that cancel after a
   random number of tokens, and arrivals in bursts.
 - ``mixed``: the three interleaved, each with its own timed arrivals.
+- ``fixed``: every request the same prompt and output length (200 and 64 tokens
+  unless overridden), plain /v1/completions prompts: for side-by-side runs of two
+  servers on identical arithmetic (``make bench-peers``).
 - ``smoke``: a bit of everything, small (short prompts, 4-16 output tokens,
   two shared prefixes, some cancellations, small bursts): a quick check that a
   server and the whole tool work, on any hardware.
@@ -51,6 +54,8 @@ class ScenarioOptions:
     """A burst's requests arrive within this many seconds (at the nominal rate)."""
     multi_turn_fraction: float = 0.0
     """Share of requests that carry an earlier user/assistant turn."""
+    completions: bool = False
+    """Send a plain ``prompt`` to /v1/completions (no chat template adds tokens) instead of messages."""
 
 
 SCENARIOS: dict[str, ScenarioOptions] = {
@@ -65,6 +70,10 @@ SCENARIOS: dict[str, ScenarioOptions] = {
         burst_size=(2, 8),
     ),
 }
+# Fixed lengths for side-by-side runs (issue 11's common load): every request a distinct
+# 200-token plain prompt and 64 output tokens (with ignore_eos), so two servers do the
+# same arithmetic and a GEMM limit can be computed for the trace.
+SCENARIOS["fixed"] = ScenarioOptions(prompt_tokens=(200, 200), output_tokens=(64, 64), completions=True)
 SCENARIOS["smoke"] = ScenarioOptions(
     prompt_tokens=(8, 64), output_tokens=(4, 16), prefix_tokens=(32, 64), num_prefix_groups=2,
     cancel_fraction=0.2, burst_size=(1, 3),
@@ -83,7 +92,11 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
         if not sep or key not in fields:
             raise ValueError(f"scenario option {item!r}: expected key=value with key one of {', '.join(fields)}")
         try:
-            if "Range" in str(fields[key]):
+            if "bool" in str(fields[key]):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"expected true or false, got {value!r}")
+                out[key] = value.lower() in ("true", "1")
+            elif "Range" in str(fields[key]):
                 lo, _, hi = value.partition(":")
                 out[key] = (int(lo), int(hi or lo))
             elif "int" in str(fields[key]):
@@ -149,15 +162,19 @@ def _requests(
             num_prompt = max(1, num_prompt - earlier - answer)
             messages.append({"role": "user", "content": builder.text(earlier, rng)})
             messages.append({"role": "assistant", "content": builder.text(answer, rng)})
-        messages.append({"role": "user", "content": builder.text(num_prompt, rng)})
+        user_text = builder.text(num_prompt, rng)
+        messages.append({"role": "user", "content": user_text})
         cancel_after = None
         if max_tokens > 1 and rng.random() < options.cancel_fraction:
             cancel_after = rng.randint(1, max_tokens - 1)
+        # A plain prompt: the shared prefix (if any) and the user text, no earlier turns.
+        prompt = "".join(m["content"] for m in messages if m["role"] != "assistant") if options.completions else None
         requests.append(
             TraceRequest(
                 id=f"{name}-{i}",
                 max_tokens=max_tokens,
-                messages=messages,
+                messages=None if options.completions else messages,
+                prompt=prompt,
                 offset_s=offset,
                 group=name,
                 prefix_group=prefix_group,

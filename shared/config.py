@@ -85,6 +85,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The registration expires this long after the engine's last heartbeat."""
     health_port: int = 0
     """Serve GET /health and /ready over HTTP on this port, for Kubernetes probes (0: off)."""
+    async_scheduling: bool = False
+    """Plan step N+1 while the workers run step N (vLLM's name): hides the scheduler's
+    per-step work behind the forward; a request that stops at N computes one discarded
+    token in N+1. Off by default: see docs/benchmarks.md, "Serving overhead (issue 11)"."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):

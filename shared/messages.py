@@ -153,6 +153,9 @@ class RequestSummary(msgspec.Struct, frozen=True, array_like=True):
     age_s: float
 
 
+STEP_PHASES = ("schedule", "forward", "sample", "idle")  # EngineStats.step_phase_seconds_total keys
+
+
 class EngineStats(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     time: float
     num_running: int
@@ -184,6 +187,18 @@ class EngineStats(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     process_peak_rss_bytes: dict[str, int] = {}
     device_memory_peak_bytes: dict[str, int] = {}  # per worker, on a GPU
     workers_ready: list[int] = []
+    # Where step time goes (issue 11), per step since the previous EngineStats: the
+    # scheduler's own schedule() + send, the worker's forward and sample, and idle =
+    # the rest of the step cycle (result N received -> result N+1 received) in which
+    # the worker did not compute: scheduler bookkeeping, transport, waiting for a plan.
+    step_schedule_s: list[float] = []
+    step_forward_s: list[float] = []
+    step_sample_s: list[float] = []
+    step_idle_s: list[float] = []
+    # cumulative seconds per phase ("schedule", "forward", "sample", "idle") and tokens
+    # scheduled over all steps, so windowed shares survive capped per-step samples
+    step_phase_seconds_total: dict[str, float] = {}
+    step_tokens_total: int = 0
 
 
 class EngineHealth(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

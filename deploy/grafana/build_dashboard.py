@@ -171,6 +171,19 @@ panel("timeseries", "Device memory peak and restarts", "Peak accelerator memory 
           {"matcher": {"id": "byRegexp", "options": "worker restarts.*|stats age.*"},
            "properties": [{"id": "unit", "value": "short"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
 y[0] += 8
+panel("timeseries", "Step time split",
+      "Share of each engine step cycle per phase (ferry:step_phase_seconds): forward and sample are the worker's, "
+      "idle is the rest of the cycle in which the worker did not compute; schedule is part of idle unless "
+      "--async-scheduling overlaps it with the forward. Right axis: tokens per step.",
+      [(f'sum by (phase) (rate(ferry:step_phase_seconds_sum{{{M}}}[1m])) / ignoring(phase) group_left '
+        f'sum(rate(ferry:step_phase_seconds_sum{{{M},phase!="schedule"}}[1m]))', "{{phase}}"),
+       (f'sum(rate(ferry:iteration_tokens_total_sum{{{M}}}[1m])) / '
+        f'sum(rate(ferry:iteration_tokens_total_count{{{M}}}[1m]))', "tokens per step")],
+      0, 24, 8, "percentunit",
+      {"fieldConfig": {"defaults": {"unit": "percentunit"}, "overrides": [
+          {"matcher": {"id": "byName", "options": "tokens per step"},
+           "properties": [{"id": "unit", "value": "short"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
+y[0] += 8
 cfg = panel("table", "Effective scheduler knobs", "The scheduler's configuration as it runs (ferry:engine_config_info).",
             [], 0, 24, 8)
 cfg["targets"] = [target(f'max by (knob, value) (ferry:engine_config_info{{{M}}})', "", "A", instant=True, fmt="table")]

@@ -53,7 +53,7 @@ from services.gateway.metrics_families import (
 )
 from services.gateway.metrics_window import EngineSample, FinishedSample, LiveWindow
 from services.gateway.resume import RESUME_CAUSES
-from shared.messages import EngineHealth, EngineStats, RequestTimings
+from shared.messages import STEP_PHASES, EngineHealth, EngineStats, RequestTimings
 
 GATEWAY_PROCESS = "gateway"
 ComponentSource = Callable[[], Iterable[tuple[str, bool]]]
@@ -180,6 +180,12 @@ class GatewayMetrics:
                                    buckets=STEP_SEQ_BUCKETS)
         self.step_time = self._fan(h, "iteration_duration_seconds", "Wall time of one engine step.",
                                    vllm=False, buckets=STEP_TIME_BUCKETS)
+        self.step_phase = self._fan(
+            h, "step_phase_seconds", "Where one step cycle goes: phase=schedule (the scheduler's "
+            "schedule() and send), forward and sample (the worker's), idle (the rest of the cycle, "
+            "in which the worker did not compute).", ("phase",), vllm=False, buckets=STEP_TIME_BUCKETS)
+        for phase in STEP_PHASES:
+            self.step_phase.touch(phase=phase)
 
     def _declare_requests(self, max_model_len: int) -> None:
         """Series fed by the gateway's request handlers: outcomes, latencies, lengths."""
@@ -254,6 +260,10 @@ class GatewayMetrics:
             self.step_seqs.observe(num_seqs)
         for duration in stats.step_duration_s:
             self.step_time.observe(duration)
+        for phase, samples in (("schedule", stats.step_schedule_s), ("forward", stats.step_forward_s),
+                               ("sample", stats.step_sample_s), ("idle", stats.step_idle_s)):
+            for seconds in samples:
+                self.step_phase.observe(seconds, phase=phase)
         self._set_labelled(self.rss, "process", stats.process_rss_bytes, absent=None)
         # A peak sampled a moment before the current RSS can read lower: a peak is never below now.
         peaks = {k: max(v, stats.process_rss_bytes.get(k, 0)) for k, v in stats.process_peak_rss_bytes.items()}
@@ -265,6 +275,8 @@ class GatewayMetrics:
             kv_usage=stats.kv_usage, num_preemptions_total=stats.num_preemptions_total,
             generation_tokens_total=stats.generation_tokens_total,
             prompt_tokens_total=stats.prompt_tokens_total,
+            steps_total=stats.steps_total, step_tokens_total=stats.step_tokens_total,
+            step_phase_seconds_total=stats.step_phase_seconds_total,
         ))
 
     def on_engine_health(self, health: EngineHealth) -> None:

@@ -71,6 +71,10 @@ class Fan:
         for child in children:
             child.inc(amount)
 
+    def touch(self, **labels: str) -> None:
+        """Create the labelled series now, so scrapes show it (at zero) before its first sample."""
+        self._children(labels)
+
     def observe(self, value: float, **labels: str) -> None:
         for child in self._children(labels):
             child.observe(value)

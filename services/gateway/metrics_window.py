@@ -37,6 +37,9 @@ class EngineSample:
     num_preemptions_total: int
     generation_tokens_total: int
     prompt_tokens_total: int
+    steps_total: int = 0
+    step_tokens_total: int = 0
+    step_phase_seconds_total: dict[str, float] | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -46,6 +49,29 @@ def percentile(values: list[float], q: float) -> float | None:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100.0 * len(ordered)))
     return ordered[min(rank, len(ordered)) - 1]
+
+
+STEP_SHARE_PHASES = ("forward", "sample", "idle", "schedule")
+
+
+def _step_split(first: EngineSample, last: EngineSample) -> dict[str, float | None]:
+    """Mean step cycle, tokens per step and each phase's share of the cycle between two samples.
+
+    forward + sample + idle make up the cycle; schedule is part of idle unless it
+    overlaps the forward (async scheduling), so its share is reported beside them."""
+    steps = last.steps_total - first.steps_total
+    a, b = first.step_phase_seconds_total or {}, last.step_phase_seconds_total or {}
+    spent = {p: b.get(p, 0.0) - a.get(p, 0.0) for p in STEP_SHARE_PHASES}
+    cycle = spent["forward"] + spent["sample"] + spent["idle"]
+    if steps <= 0 or cycle <= 0 or any(v < 0 for v in spent.values()):
+        return {}  # no steps in the window, or a scheduler restart reset its totals
+    out: dict[str, float | None] = {
+        "step_mean_s": cycle / steps,
+        "tokens_per_step": (last.step_tokens_total - first.step_tokens_total) / steps,
+    }
+    for phase, seconds in spent.items():
+        out[f"step_{phase}_share"] = seconds / cycle
+    return out
 
 
 def _counter_rate(first: int, last: int, span_s: float) -> float:
@@ -126,6 +152,9 @@ class LiveWindow:
             "generation_tokens_per_s": 0.0,
             "prompt_tokens_per_s": 0.0,
             "preemptions_per_s": 0.0,
+            "step_mean_s": None,
+            "tokens_per_step": None,
+            **{f"step_{phase}_share": None for phase in STEP_SHARE_PHASES},
         }
         if len(engine) >= 2:
             first, last = engine[0], engine[-1]
@@ -139,6 +168,7 @@ class LiveWindow:
             out["preemptions_per_s"] = _counter_rate(
                 first.num_preemptions_total, last.num_preemptions_total, engine_span
             )
+            out.update(_step_split(first, last))
         return out
 
     def _first_seen(self) -> float:

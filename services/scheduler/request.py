@@ -36,7 +36,7 @@ class Request:
         "eos_ids", "stop_ids", "priority", "arrival_time", "seq", "deadline", "status", "num_computed_tokens",
         "num_cached_tokens", "first_scheduled_time", "first_token_time", "num_preemptions", "block_hashes",
         "block_keys", "known_to_worker", "sent_first_delta", "finish_reason", "max_total_tokens", "num_tokens",
-        "stop_check_ids", "num_token_slots", "num_cached_blocks",
+        "stop_check_ids", "num_token_slots", "num_cached_blocks", "num_ahead_tokens", "num_ahead_samples",
     )
 
     def __init__(self, add: AddRequest, seq: int, arrival_time: float, deadline: float, max_model_len: int) -> None:
@@ -71,12 +71,19 @@ class Request:
         # Caches of ledger facts for the hot path, reset whenever the blocks are freed:
         self.num_token_slots = 0  # len(block table) * block_size
         self.num_cached_blocks = 0  # full computed blocks already offered to the prefix cache
+        # Scheduled in plans whose results have not come back yet (async scheduling keeps
+        # one plan ahead): tokens the worker will have computed, and tokens it will have
+        # sampled, once those plans ran. Both are 0 between steps without async scheduling.
+        self.num_ahead_tokens = 0
+        self.num_ahead_samples = 0
 
     def reset_progress(self) -> None:
         """Its blocks were freed (preemption): it will be recomputed from the start."""
         self.num_computed_tokens = 0
         self.num_token_slots = 0
         self.num_cached_blocks = 0
+        self.num_ahead_tokens = 0  # results of plans in flight for it will be ignored
+        self.num_ahead_samples = 0
 
     @property
     def num_prompt_tokens(self) -> int:

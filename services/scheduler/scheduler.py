@@ -187,8 +187,20 @@ class Scheduler:
         self._preempted_for_worker = []
         if plan.total_num_scheduled_tokens:
             self.counters.record_step(plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens))
-            self._plan_time = {plan.step_id: now}
+            self._plan_time[plan.step_id] = now
+            self._mark_ahead(plan)
         return plan
+
+    def _mark_ahead(self, plan: StepPlan) -> None:
+        """Count the plan's tokens as in flight until its result is applied, so that a plan
+        made before then (async scheduling) continues where this one will leave off."""
+        requests = self.requests
+        for req_id, n in plan.num_scheduled_tokens.items():
+            req = requests[req_id]
+            computed = req.num_computed_tokens + req.num_ahead_tokens + n
+            req.num_ahead_tokens += n
+            if computed == req.num_tokens + req.num_ahead_samples:
+                req.num_ahead_samples += 1  # this plan samples its next token
 
     def update_from_result(self, plan: StepPlan, result: StepResult) -> None:
         """Advance computed counts, append sampled tokens, apply stop conditions.
@@ -219,10 +231,12 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens + num_scheduled
             req.num_computed_tokens = computed
+            req.num_ahead_tokens -= num_scheduled
             if caching and computed // block_size > req.num_cached_blocks:
                 self._cache_computed_blocks(req)
             if computed < req.num_tokens:
                 continue  # a partial prefill chunk: nothing sampled
+            req.num_ahead_samples -= 1
             token_id = sampled.get(req_id)
             if token_id is None:
                 self._finish(req, "error", now, error=f"the worker returned no token in step {plan.step_id}")
@@ -355,6 +369,9 @@ class Scheduler:
         )
         for req in self.running:
             assert req.status is RequestStatus.RUNNING, f"{req} in the running list"
+            assert req.num_ahead_tokens >= 0 and req.num_ahead_samples >= 0, f"{req}: negative tokens in flight"
+            if not self._plan_time:
+                assert req.num_ahead_tokens == req.num_ahead_samples == 0, f"{req}: in flight with no plan out"
             table = self.ledger.block_tables[req.req_id]
             assert len(table) * self.block_size >= req.num_computed_tokens, f"{req} outgrew its blocks {table}"
             assert req.num_token_slots == len(table) * self.block_size, f"{req}: stale slot count"

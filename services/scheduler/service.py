@@ -77,6 +77,8 @@ class StepInFlight:
     plan: StepPlan
     deadline: float
     results: dict[int, StepResult] = field(default_factory=dict)
+    t_start: float = 0.0  # perf_counter before schedule()
+    t_sent: float = 0.0  # perf_counter after the plan was sent
 
 
 class SchedulerService:
@@ -101,7 +103,9 @@ class SchedulerService:
         self.max_model_len = config.max_model_len
         self.model = ""
         self.step: StepInFlight | None = None
+        self.next_step: StepInFlight | None = None  # async scheduling: the plan sent ahead of ``step``'s result
         self.last_step_id = 0
+        self.last_result_time: float | None = None  # perf_counter of the last result, while steps follow on
         self.flush = False
         self.core_num_kv_blocks = 0
         self.stop_requested = False
@@ -158,6 +162,8 @@ class SchedulerService:
             scheduled = self._step()
             if not scheduled:
                 self._poll(EMPTY_STEP_POLL_S)
+        else:
+            self.last_result_time = None  # the next step starts a fresh cycle, not an idle gap
         self._send_deltas()
         self._maybe_send_stats()
 
@@ -345,8 +351,9 @@ class SchedulerService:
 
     def _on_result(self, msg: StepResult) -> None:
         counts = self.ranks.on_result(msg.rank, self.clock())
-        if counts and self.step is not None and msg.step_id == self.step.plan.step_id:
-            self.step.results[msg.rank] = msg
+        for step in (self.step, self.next_step):
+            if counts and step is not None and msg.step_id == step.plan.step_id:
+                step.results[msg.rank] = msg
         # Anything else is a late answer to a step abandoned after a fault: ignore it.
 
     def _on_error(self, msg: WorkerError) -> None:
@@ -355,7 +362,7 @@ class SchedulerService:
             self._bury([(msg.rank, "fatal worker error")])
         elif self.step is not None and self.core is not None:
             # The step failed but the process lives: recompute everything it held.
-            self.step = None
+            self.step = self.next_step = None
             self.core.preempt_all()
 
     def _bury(self, deaths: list[tuple[int, str]]) -> None:
@@ -367,7 +374,7 @@ class SchedulerService:
             log.warning("rank %d (pid %d) is dead: %s; waiting for it to announce itself again",
                         rank, self.ranks.pid(rank), reason)
             if self.core is not None:
-                self.step = None
+                self.step = self.next_step = None
                 self.core.preempt_all()
             self._broadcast(self._health())
 
@@ -409,27 +416,63 @@ class SchedulerService:
     # ------------------------------------------------------------------ stepping
 
     def _step(self) -> bool:
-        """Schedule, publish and complete one step. Returns False if nothing ran."""
+        """Complete one step (scheduling it, and with async scheduling the next one too,
+        first). Returns False if nothing ran."""
         assert self.core is not None
-        plan = self.core.schedule()
-        self.last_step_id = plan.step_id
         self.flush = False
-        if plan.total_num_scheduled_tokens == 0:
-            if plan.finished_req_ids or plan.preempted_req_ids:
-                self.plan_sock.send(encode(plan))  # workers must still drop those requests
-            self.core.update_from_result(plan, StepResult(step_id=plan.step_id, rank=0))
-            return False
-        self.step = StepInFlight(plan, self.clock() + self.config.step_timeout_s)
-        self.plan_sock.send(encode(plan))
+        if self.step is None:
+            self.step = self._schedule_and_send()
+            if self.step is None:
+                self.last_result_time = None
+                return False
+        if self.config.async_scheduling and self.next_step is None and self.core.has_unfinished_requests():
+            # Plan N+1 now, while the workers compute N: it assumes each request sampling in
+            # N gets one token; one that stops there has its N+1 token discarded.
+            self.next_step = self._schedule_and_send()
+        step = self.step
         result = self._wait_for_results()
-        self.step = None
+        t_result = time.perf_counter()
+        self.step, self.next_step = self.next_step, None
         if result is not None:
-            self.core.update_from_result(plan, result)
+            self.core.update_from_result(step.plan, result)
             self.flush = True  # requests may have finished: the next plan tells the workers
+            self._record_phases(step.t_start, step.t_sent, t_result, result)
+            if self.step is not None:
+                self.step.deadline = self.clock() + self.config.step_timeout_s  # it runs from now
+        else:
+            self.last_result_time = None
         deferred, self.deferred = self.deferred, []
         for msg in deferred:
             self._handle_gateway(msg)
         return True
+
+    def _schedule_and_send(self) -> StepInFlight | None:
+        """Schedule one plan and publish it; None when it has no tokens to run."""
+        assert self.core is not None
+        t_start = time.perf_counter()
+        plan = self.core.schedule()
+        self.last_step_id = plan.step_id
+        if plan.total_num_scheduled_tokens == 0:
+            if plan.finished_req_ids or plan.preempted_req_ids:
+                self.plan_sock.send(encode(plan))  # workers must still drop those requests
+            self.core.update_from_result(plan, StepResult(step_id=plan.step_id, rank=0))
+            return None
+        self.plan_sock.send(encode(plan))
+        return StepInFlight(plan, self.clock() + self.config.step_timeout_s, t_start=t_start,
+                            t_sent=time.perf_counter())
+
+    def _record_phases(self, t_start: float, t_sent: float, t_result: float, result: StepResult) -> None:
+        """Split one step cycle into schedule, forward, sample and idle (EngineStats.step_*_s).
+
+        The cycle runs from the previous step's result (when steps follow each other)
+        or from this step's schedule() to this result; idle is what the worker's
+        forward and sample leave of it."""
+        assert self.core is not None
+        cycle_start = self.last_result_time if self.last_result_time is not None else t_start
+        busy = result.forward_s + result.sample_s
+        idle = max(0.0, (t_result - cycle_start) - busy)
+        self.core.counters.record_step_phases(t_sent - t_start, result.forward_s, result.sample_s, idle)
+        self.last_result_time = t_result
 
     def _wait_for_results(self) -> StepResult | None:
         """Block (in poll, never spinning) until every rank answered; None if the step was lost."""

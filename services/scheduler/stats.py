@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 
-from shared.messages import EngineStats, RequestSummary
+from shared.messages import STEP_PHASES, EngineStats, RequestSummary
 
 from .request import Request
 
@@ -35,10 +35,15 @@ class SchedulerCounters:
         self.step_num_tokens: list[int] = []
         self.step_num_seqs: list[int] = []
         self.step_duration_s: list[float] = []
+        self.step_tokens_total = 0
+        # per-step phase samples (see EngineStats.step_schedule_s) and their running sums
+        self.step_phases: dict[str, list[float]] = {p: [] for p in STEP_PHASES}
+        self.step_phase_seconds_total: dict[str, float] = dict.fromkeys(STEP_PHASES, 0.0)
         self._drains: deque[float] = deque()  # times requests left the waiting queue
 
     def record_step(self, num_tokens: int, num_seqs: int) -> None:
         self.steps += 1
+        self.step_tokens_total += num_tokens
         if len(self.step_num_tokens) < MAX_STEP_SAMPLES:
             self.step_num_tokens.append(num_tokens)
             self.step_num_seqs.append(num_seqs)
@@ -46,6 +51,21 @@ class SchedulerCounters:
     def record_step_duration(self, seconds: float) -> None:
         if len(self.step_duration_s) < MAX_STEP_SAMPLES:
             self.step_duration_s.append(seconds)
+
+    def record_step_phases(self, schedule_s: float, forward_s: float, sample_s: float, idle_s: float) -> None:
+        """One completed step's time split (measured by the scheduler service, not the core)."""
+        totals = self.step_phase_seconds_total
+        for phase, seconds in (("schedule", schedule_s), ("forward", forward_s), ("sample", sample_s),
+                               ("idle", idle_s)):
+            totals[phase] += seconds
+            samples = self.step_phases[phase]
+            if len(samples) < MAX_STEP_SAMPLES:
+                samples.append(seconds)
+
+    def take_phase_samples(self) -> dict[str, list[float]]:
+        samples = self.step_phases
+        self.step_phases = {p: [] for p in STEP_PHASES}
+        return samples
 
     def record_drain(self, now: float) -> None:
         drains = self._drains
@@ -88,6 +108,7 @@ def build_stats(
         if len(waiting_rows) < MAX_SUMMARIES:
             waiting_rows.append(req.summary(now))
     step_tokens, step_seqs, step_durations = counters.take_samples()
+    phases = counters.take_phase_samples()
     return EngineStats(
         time=now,
         num_running=len(running),
@@ -112,4 +133,10 @@ def build_stats(
         waiting=waiting_rows,
         drain_rate_rps=counters.drain_rate(now),
         config=config,
+        step_schedule_s=phases["schedule"],
+        step_forward_s=phases["forward"],
+        step_sample_s=phases["sample"],
+        step_idle_s=phases["idle"],
+        step_phase_seconds_total=dict(counters.step_phase_seconds_total),
+        step_tokens_total=counters.step_tokens_total,
     )

@@ -64,7 +64,13 @@ class StepBuilder:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.num_tokens - req.num_computed_tokens
+            # With a plan in flight (async scheduling) count what it will have computed and
+            # sampled; a request whose pending sample reaches its length limit is done.
+            computed = req.num_computed_tokens + req.num_ahead_tokens
+            num_tokens = req.num_tokens + req.num_ahead_samples
+            n = num_tokens - computed
+            if req.num_ahead_samples and num_tokens >= req.max_total_tokens:
+                n = 0
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
@@ -72,7 +78,7 @@ class StepBuilder:
             if n <= 0:
                 i += 1
                 continue
-            end = req.num_computed_tokens + n
+            end = computed + n
             if end <= req.num_token_slots:
                 blocks = []  # the common decode: room in its last block
             else:
@@ -237,8 +243,10 @@ class StepBuilder:
             (resumed_requests if resumed else new_requests).append(data)
             req.known_to_worker = True
         requests = sched.requests
+        # The computed count the worker will hold when it runs this plan (after any plan
+        # still in flight): it checks the count against its own state.
         cached_requests = [
-            CachedRequestData(req_id, blocks, requests[req_id].num_computed_tokens)
+            CachedRequestData(req_id, blocks, (r := requests[req_id]).num_computed_tokens + r.num_ahead_tokens)
             for req_id, blocks in self.new_block_ids.items()
         ]
         return StepPlan(

@@ -152,7 +152,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def default_openmp_wait_policy(environ: dict[str, str] | os._Environ[str]) -> None:
+    """OpenMP threads that sleep at barriers unless the operator chose a policy.
+
+    A worker shares its cores (gateway, scheduler, clients, other jobs); libgomp's default
+    spinning then burns the core a straggling sibling thread needs, which made 2-thread
+    matmuls 10-30x slower on a shared 2-core machine (docs/benchmarks.md, "Serving
+    overhead (issue 11)"). libgomp reads this when torch loads, so it is set before that.
+    """
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def main(argv: list[str] | None = None) -> int:
+    default_openmp_wait_policy(os.environ)  # every way of starting a worker (serve, compose, k8s)
     args = build_parser().parse_args(argv)
     config = config_from_args(WorkerConfig, args)
     exit_on_errors(f"ferry worker{config.rank}", config_errors(config))

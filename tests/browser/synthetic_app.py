@@ -38,6 +38,7 @@ class Feeder:
         self.rng = random.Random(seed)
         self.step = 0
         self.totals = {"gen": 0, "prompt": 0, "preempt": 0, "steps": 0}
+        self.phase_totals: dict[str, float] = {}
 
     def tick(self, now: float) -> None:
         self.step += 1
@@ -49,6 +50,10 @@ class Feeder:
         self.totals["gen"] += running * 4
         self.totals["prompt"] += self.rng.randint(0, 200)
         self.totals["steps"] += 4
+        self.totals["step_tokens"] = self.totals.get("step_tokens", 0) + 4 * (running + 30)
+        phases = {"schedule": 0.001, "forward": 0.015 + 0.001 * running, "sample": 0.002, "idle": 0.003}
+        for phase, seconds in phases.items():
+            self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + 4 * seconds
         if waiting > 4 and self.step % 5 == 0:
             self.totals["preempt"] += 1
         reqs = [RequestSummary(f"req-{self.step}-{i}", i % 3, 40 + i, 10 + i, 50 + i, 0.5 * i)
@@ -65,6 +70,9 @@ class Feeder:
             running=reqs[:running], waiting=reqs[running:], config=CONFIG,
             process_rss_bytes={"scheduler": 90 << 20, "worker0": 700 << 20},
             process_peak_rss_bytes={"scheduler": 95 << 20, "worker0": 760 << 20}, workers_ready=[0],
+            step_schedule_s=[phases["schedule"]] * 4, step_forward_s=[phases["forward"]] * 4,
+            step_sample_s=[phases["sample"]] * 4, step_idle_s=[phases["idle"]] * 4,
+            step_phase_seconds_total=dict(self.phase_totals), step_tokens_total=self.totals["step_tokens"],
         )
         self.metrics.on_engine_stats(stats)
         if self.step % 2 == 0:

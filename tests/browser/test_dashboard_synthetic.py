@@ -36,6 +36,16 @@ def test_dashboard_tracks_metrics_and_draws(tmp_path: Path) -> None:
                         "preemption-rate", "rejection-rate"):
             text = page.text_content(f"#{element}") or ""
             assert re.search(r"\d", text), f"#{element} shows {text!r}"
+        # The step-time panel: a mean step, tokens per step, and phase shares that add up.
+        page.wait_for_function("/\\d/.test(document.getElementById('step-forward').textContent)", timeout=10000)
+        for element in ("step-mean", "tokens-per-step", "step-forward", "step-sample", "step-idle", "step-schedule"):
+            text = page.text_content(f"#{element}") or ""
+            assert re.search(r"\d", text), f"#{element} shows {text!r}"
+        shares = [float((page.text_content(f"#step-{p}") or "").rstrip("%")) for p in ("forward", "sample", "idle")]
+        assert abs(sum(shares) - 100.0) < 0.5, shares
+        assert shares[0] > shares[1] and shares[0] > shares[2], shares  # the feeder's forward dominates
+        width = page.evaluate("document.getElementById('step-bar-forward').getBoundingClientRect().width")
+        assert width > 0, "the step bar drew no forward segment"
         health = page.text_content("#health") or ""
         for name in ("gateway", "scheduler", "worker 0", "worker 1", "redis", "degraded"):
             assert name in health, health

@@ -175,3 +175,18 @@ def test_closed_loop_has_no_schedule_and_bad_specs_fail() -> None:
 def test_natural_rate_of_a_trace() -> None:
     trace = Trace([TraceRequest(id=str(i), max_tokens=1, prompt="x", offset_s=i * 0.5) for i in range(5)])
     assert trace.natural_rate() == pytest.approx(2.0)
+
+
+def test_fixed_scenario_has_exact_lengths_and_plain_prompts(builder: TextBuilder) -> None:
+    from loadtests.scenarios import generate, parse_overrides
+
+    trace = generate("fixed", 6, 3, builder, parse_overrides(["prompt_tokens=50:50", "output_tokens=9:9"]))
+    prompts = [r.prompt for r in trace.requests]
+    assert all(r.messages is None and r.max_tokens == 9 for r in trace.requests)
+    assert [len(builder.tokenizer.encode(p or "")) for p in prompts] == [50] * 6
+    assert len(set(prompts)) == 6  # distinct, so no prefix-cache hits between requests
+    other = generate("fixed", 6, 4, builder, parse_overrides(["prompt_tokens=50:50", "output_tokens=9:9"]))
+    assert not set(prompts) & {r.prompt for r in other.requests}  # fresh prompts per seed
+    assert parse_overrides(["completions=false"]) == {"completions": False}
+    with pytest.raises(ValueError, match="true or false"):
+        parse_overrides(["completions=maybe"])

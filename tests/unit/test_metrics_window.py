@@ -67,3 +67,34 @@ def test_history_is_bounded() -> None:
     hist = w.history()
     assert hist[0].time == 69.0 and hist[-1].time == 99.0
     assert [s.time for s in w.history(since=97.0)] == [98.0, 99.0]
+
+
+def stepped(t: float, steps: int, tokens: int, forward: float, sample: float, idle: float,
+            schedule: float) -> EngineSample:
+    return EngineSample(time=t, num_running=1, num_waiting=0, kv_usage=0.1, num_preemptions_total=0,
+                        generation_tokens_total=0, prompt_tokens_total=0, steps_total=steps,
+                        step_tokens_total=tokens, step_phase_seconds_total={
+                            "forward": forward, "sample": sample, "idle": idle, "schedule": schedule})
+
+
+def test_step_split_over_the_window() -> None:
+    w = LiveWindow(window_s=60.0)
+    w.add_engine(stepped(100.0, 10, 500, 1.0, 0.1, 0.1, 0.01))
+    w.add_engine(stepped(110.0, 30, 1300, 8.0, 0.5, 0.5, 0.05))  # 20 steps, 7.8 s of cycle
+    s = w.summary(110.0)
+    assert s["step_mean_s"] == pytest.approx(7.8 / 20)
+    assert s["tokens_per_step"] == pytest.approx(800 / 20)
+    assert s["step_forward_share"] == pytest.approx(7.0 / 7.8)
+    assert s["step_sample_share"] == pytest.approx(0.4 / 7.8)
+    assert s["step_idle_share"] == pytest.approx(0.4 / 7.8)
+    assert s["step_schedule_share"] == pytest.approx(0.04 / 7.8)
+
+
+def test_step_split_is_empty_without_steps_or_after_a_reset() -> None:
+    w = LiveWindow(window_s=60.0)
+    w.add_engine(stepped(100.0, 10, 500, 1.0, 0.1, 0.1, 0.01))
+    w.add_engine(stepped(105.0, 10, 500, 1.0, 0.1, 0.1, 0.01))  # idle engine: no steps
+    assert w.summary(105.0)["step_mean_s"] is None
+    w.add_engine(stepped(110.0, 2, 40, 0.2, 0.0, 0.0, 0.0))  # a restarted scheduler counts from zero
+    s = w.summary(110.0)
+    assert s["step_mean_s"] is None and s["step_forward_share"] is None

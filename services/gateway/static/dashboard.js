@@ -110,6 +110,17 @@
     setText("preemptions-total", fmtInt(e.num_preemptions_total));
     setText("rejection-rate", fmtRate(w.rejections_per_s));
     setText("window-label", `last ${fmtInt(w.window_s)} s`);
+    // Step time: forward + sample + idle = one step cycle; schedule overlaps the
+    // forward with async scheduling, else it is part of idle.
+    setText("step-window", fmtInt(w.window_s));
+    setText("step-mean", fmtSec(w.step_mean_s));
+    setText("tokens-per-step", w.tokens_per_step == null ? dash : w.tokens_per_step.toFixed(1));
+    for (const phase of ["forward", "sample", "idle", "schedule"]) {
+      const share = w[`step_${phase}_share`];
+      setText(`step-${phase}`, fmtPct(share));
+      const seg = $(`step-bar-${phase}`);
+      if (seg) seg.style.width = share == null ? "0" : (share * 100).toFixed(1) + "%";
+    }
     setText("updated-at", new Date(s.time * 1000).toLocaleTimeString());
     $("stale-badge").hidden = !e.stale;
 

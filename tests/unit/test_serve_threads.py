@@ -1,0 +1,51 @@
+"""``ferry serve``'s thread budget: the environment each child starts with (no process is started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferry_cli.serve import Stack, build_parser
+
+
+def stack(monkeypatch: pytest.MonkeyPatch, *flags: str, **env: str) -> Stack:
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = build_parser().parse_args(["--num-workers", "2", *flags])
+    return Stack(args, "/tmp/ferry-test-runtime", "unix:///tmp/none.sock")
+
+
+def test_workers_get_the_cores_and_sleep_at_barriers(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = stack(monkeypatch, "--num-threads", "3")
+    workers = s.by_role("worker")
+    assert len(workers) == 2
+    for w in workers:
+        assert w.env["OMP_NUM_THREADS"] == "3" and w.env["MKL_NUM_THREADS"] == "3"
+        assert w.env["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert "--num-threads" in w.cmd and w.cmd[w.cmd.index("--num-threads") + 1] == "3"
+    for light in s.by_role("scheduler") + s.by_role("gateway"):
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
+            assert light.env[key] == "1", (light.name, key)
+        assert light.env["TOKENIZERS_PARALLELISM"] == "false"
+        assert "OMP_WAIT_POLICY" not in light.env
+
+
+def test_an_operators_openmp_policy_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = stack(monkeypatch, GOMP_SPINCOUNT="10000")
+    for w in s.by_role("worker"):
+        assert "OMP_WAIT_POLICY" not in w.env and w.env["GOMP_SPINCOUNT"] == "10000"
+    s = stack(monkeypatch, OMP_WAIT_POLICY="ACTIVE")
+    assert all(w.env["OMP_WAIT_POLICY"] == "ACTIVE" for w in s.by_role("worker"))
+
+
+def test_a_worker_started_any_other_way_defaults_to_passive_too() -> None:
+    from services.worker.service import default_openmp_wait_policy
+
+    env: dict[str, str] = {}
+    default_openmp_wait_policy(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "5000"}):
+        env = dict(chosen)
+        default_openmp_wait_policy(env)
+        assert env == chosen
