@@ -118,7 +118,8 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any) -> dict[str,
     if hasattr(modeling, "apply_rotary_pos_emb"):
         keys["rope"].add(_key(modeling.apply_rotary_pos_emb))
     keys["attention"] = {_key(paged_attention)}
-    linear = _key(torch.nn.Linear.forward)
+    # nn.Linear, or the int8 dynamic Linear that --quantization int8 puts in its place.
+    linear_keys = {_key(type(m).forward) for m in model.modules() if type(m).__name__ == "Linear"}
     prof = cProfile.Profile()
     prof.enable()
     fn()
@@ -130,10 +131,14 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any) -> dict[str,
 
     body_s = cum(_key(type(body).forward))
     parts = {name: sum(cum(k) for k in ks) for name, ks in keys.items()}
-    lin: Any = stats.get(linear)
-    lin_total = float(lin[3]) if lin else 0.0
-    # The LM head is the Linear the runner calls directly: its callers tell them apart.
-    head_s = sum(float(v[3]) for c, v in (lin[4].items() if lin else []) if c[0].endswith("services/worker/runner.py"))
+    lin_total, head_s = 0.0, 0.0
+    for key in linear_keys:
+        row: Any = stats.get(key)
+        if row is None:
+            continue
+        lin_total += float(row[3])
+        # The LM head is the Linear the runner calls directly: its callers tell them apart.
+        head_s += sum(float(v[3]) for c, v in row[4].items() if c[0].endswith("services/worker/runner.py"))
     parts["linear"] = lin_total - head_s
     parts["other"] = body_s - sum(parts.values())
     sampler_s = cum(_key(type(sampler).__call__))

@@ -59,7 +59,7 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        loaded = load_model(config.model, config.dtype, config.device, config.cache_dir)
+        loaded = load_model(config.model, config.dtype, config.device, config.cache_dir, config.quantization)
         self.model = loaded.model
         self.body = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
@@ -80,7 +80,7 @@ class ModelRunner:
                         self.max_model_len, window)
             self.max_model_len = window
         self.block_size = config.block_size
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = _weight_bytes(self.model)
         budget = self._kv_budget(loaded.config_dict)
         self.num_kv_blocks = num_blocks_for_budget(budget, loaded.config_dict, self.dtype, self.block_size)
         if self.num_kv_blocks < 1:
@@ -205,6 +205,14 @@ class ModelRunner:
             sample_states=sample_states,
             sample_token_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
         )
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters plus buffers, so int8 packed weights (held outside ``parameters()``) count too."""
+    from .quantize import packed_weight_bytes
+
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + packed_weight_bytes(model)
 
 
 def _eos_ids(config_dict: dict, generation_config: object) -> list[int]:

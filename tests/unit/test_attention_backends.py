@@ -32,24 +32,24 @@ CASES = {
 HEADS = {"gqa": (6, 2), "mqa": (4, 1), "mha": (3, 3)}
 
 
-def _setup(case: list[tuple[int, int]], heads: int, kv_heads: int, seed: int) -> dict:
+def _setup(case: list[tuple[int, int]], heads: int, kv_heads: int, seed: int, head_dim: int = HEAD_DIM) -> dict:
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    shape = (NUM_BLOCKS, BLOCK, kv_heads, HEAD_DIM)
+    shape = (NUM_BLOCKS, BLOCK, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen)  # garbage everywhere a request has not written
     v_cache = torch.randn(shape, generator=gen)
     block_ids, contexts, queries, keys, values = [], [], [], [], []
     for q_len, ctx in case:
         nb = -(-ctx // BLOCK)
         ids = [perm.pop() for _ in range(nb + 1)]  # one spare block: tables may be longer than needed
-        k = torch.randn(ctx, kv_heads, HEAD_DIM, generator=gen)
-        v = torch.randn(ctx, kv_heads, HEAD_DIM, generator=gen)
+        k = torch.randn(ctx, kv_heads, head_dim, generator=gen)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=gen)
         for p in range(ctx - q_len):  # the cached prefix is already in the cache
             k_cache[ids[p // BLOCK], p % BLOCK] = k[p]
             v_cache[ids[p // BLOCK], p % BLOCK] = v[p]
         block_ids.append(ids)
         contexts.append((k, v))
-        queries.append(torch.randn(q_len, heads, HEAD_DIM, generator=gen))
+        queries.append(torch.randn(q_len, heads, head_dim, generator=gen))
         keys.append(k[ctx - q_len :])
         values.append(v[ctx - q_len :])
     batch, positions = build_paged_batch([q for q, _ in case], [c for _, c in case], block_ids, BLOCK, 1024,
@@ -101,11 +101,22 @@ def test_selecting_backends() -> None:
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_backend_matches_dense_attention_and_reference(backend_name: str, heads: str, case: str) -> None:
-    num_heads, num_kv_heads = HEADS[heads]
-    spec = CASES[case]
-    data = _setup(spec, num_heads, num_kv_heads, seed=sorted(HEADS).index(heads) * 10 + sorted(CASES).index(case))
+    seed = sorted(HEADS).index(heads) * 10 + sorted(CASES).index(case)
+    _check_backend(backend_name, HEADS[heads], CASES[case], seed, HEAD_DIM)
+
+
+@pytest.mark.parametrize("backend_name", available_backends("cpu"))
+@pytest.mark.parametrize("head_dim", [64, 128])  # the sizes kernels specialize for (SmolLM2: 64)
+def test_backend_at_real_head_sizes(backend_name: str, head_dim: int) -> None:
+    _check_backend(backend_name, (9, 3), MIXED, head_dim, head_dim)
+
+
+def _check_backend(backend_name: str, heads: tuple[int, int], spec: list[tuple[int, int]], seed: int,
+                   head_dim: int) -> None:
+    num_heads, num_kv_heads = heads
+    data = _setup(spec, num_heads, num_kv_heads, seed, head_dim)
     batch: PagedBatch = data["batch"]
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     expected = _dense(spec, data["query"], data["contexts"], scale)
     results = {}
     for name in ("reference", backend_name):
@@ -120,8 +131,8 @@ def test_backend_matches_dense_attention_and_reference(backend_name: str, heads:
         results[name] = out
         # The new tokens' keys and values landed in their slots.
         slots = batch.slot_mapping
-        flat_k = k_cache.view(-1, num_kv_heads, HEAD_DIM)
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         torch.testing.assert_close(flat_k[slots], data["key"])
-        torch.testing.assert_close(v_cache.view(-1, num_kv_heads, HEAD_DIM)[slots], data["value"])
+        torch.testing.assert_close(v_cache.view(-1, num_kv_heads, head_dim)[slots], data["value"])
     torch.testing.assert_close(results[backend_name], results["reference"], rtol=1e-5, atol=1e-5)
     assert np.array_equal(data["positions"][: batch.num_decodes], np.array([c - 1 for _, c in spec[: batch.num_decodes]]))

@@ -72,6 +72,10 @@ class ReferenceBackend(AttentionBackend):
         meta = ReferenceMetadata(slot_mapping=batch.slot_mapping)
         if batch.num_decodes:
             self._decode_groups(meta, batch)
+        self._prefill_spans(meta, batch)
+        return meta
+
+    def _prefill_spans(self, meta: ReferenceMetadata, batch: PagedBatch) -> None:
         qsl, seq_lens, bs = batch.query_start_loc_cpu, batch.seq_lens_cpu, batch.block_size
         for i in range(batch.num_decodes, batch.num_reqs):
             start, end = qsl[i], qsl[i + 1]
@@ -85,7 +89,6 @@ class ReferenceBackend(AttentionBackend):
             q_pos = torch.arange(num_computed, ctx, device=self.device).unsqueeze(1)
             mask = torch.arange(ctx, device=self.device).unsqueeze(0) <= q_pos
             meta.prefills.append(PrefillSpan(start, end, num_computed, block_ids, mask))
-        return meta
 
     def _decode_groups(self, meta: ReferenceMetadata, batch: PagedBatch) -> None:
         """Group decodes by context length (sorted, a new group when padding would exceed ~25%)."""
@@ -138,7 +141,17 @@ class ReferenceBackend(AttentionBackend):
             vd = _gather(v_cache, dec.block_table).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=dec.mask, scale=scale)
             out.index_copy_(0, dec.token_idx, od.reshape(num_decodes, num_heads, head_dim))
-        for span in metadata.prefills:
+        self._prefills_forward(query, key, value, k_cache, v_cache, metadata.prefills, scale, out)
+        return out
+
+    @staticmethod
+    def _prefills_forward(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        prefills: list[PrefillSpan], scale: float, out: torch.Tensor,
+    ) -> None:
+        """Multi-token chunks, one SDPA call each, written into ``out``."""
+        group = query.shape[1] // key.shape[1]
+        for span in prefills:
             qp = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
             if span.num_computed == 0:
                 kp = key[span.start : span.end]
@@ -155,7 +168,6 @@ class ReferenceBackend(AttentionBackend):
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1,
             )
             out[span.start : span.end] = op[0].transpose(0, 1)
-        return out
 
 
 register_backend("reference", ReferenceBackend, ("cpu", "cuda"), auto_rank=100)
