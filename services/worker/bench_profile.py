@@ -97,7 +97,7 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any) -> dict[str,
 
     Parts are recognized by the code objects of the model's own modules (cProfile keys
     functions by file, line and name), so this follows whatever classes the model uses.
-    Shares are of the body's cumulative time; the LM head (a Linear called by the runner)
+    Times are process CPU seconds. Shares are of the body's cumulative time; the LM head (a Linear called by the runner)
     and the sampler are reported beside it. cProfile inflates Python-heavy parts.
     """
     import sys
@@ -120,7 +120,9 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any) -> dict[str,
     keys["attention"] = {_key(paged_attention)}
     # nn.Linear, or the int8 dynamic Linear that --quantization int8 puts in its place.
     linear_keys = {_key(type(m).forward) for m in model.modules() if type(m).__name__ == "Linear"}
-    prof = cProfile.Profile()
+    # CPU time of the whole process (every intra-op thread), not wall time: on a shared
+    # machine wall time charges other jobs' turns to whatever function was running.
+    prof = cProfile.Profile(time.process_time)
     prof.enable()
     fn()
     prof.disable()
