@@ -4,7 +4,7 @@ Issue 11's target 3: serving may cost at most 5 % over the offline engine. Both 
 the same fixed-length trace (distinct plain prompts, ``max_tokens`` with
 ``ignore_eos``, temperature 0, all sent at once) with the same threads and dtype:
 
-- offline: ``services.worker.offline.LLM.generate`` in a child process (so its
+- offline: ``services.engine.offline.LLM.generate`` in a child process (so its
   torch threads and memory are gone before the server runs), timed around
   ``generate`` only, with the runner's own forward and sample seconds summed;
 - serve: one ``ferry serve`` kept up for the whole job (idle between its runs),
@@ -49,7 +49,7 @@ from loadtests.trace import Trace, read_trace, write_trace
 
 def offline_one(trace_path: Path, dtype: str, threads: int, model: str) -> dict[str, Any]:
     """Run one trace through the offline engine in this process; what ``--offline-one`` prints."""
-    from services.worker.offline import LLM, GenerationParams
+    from services.engine.offline import LLM, GenerationParams
 
     trace = read_trace(trace_path)
     llm = LLM(model=model, dtype=dtype, num_threads=threads)

@@ -121,6 +121,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Ranks one model is split across (heads, MLP width and KV cache each 1/N); the scheduler's num_workers."""
     tp_init_method: str = ""
     """Where the tensor-parallel ranks rendezvous: file:///path (one host) or tcp://rank0-host:port."""
+    attention_backend: str = "auto"
+    """Paged attention implementation: 'auto' (the fastest correct one for the device) or a
+    registered name ('reference', ...; docs/worker.md lists them)."""
+    quantization: str = "none"
+    """'none' or 'int8' (dynamic int8 weights for the linear layers, CPU only; docs/worker.md)."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -102,6 +102,8 @@ RULES: dict[str, list[Rule]] = {
     "gpu_memory_utilization": [between(0.05, 1.0)],
     "num_threads": [at_least(0)],
     "rank": [at_least(0)],
+    "quantization": [one_of("none", "int8")],
+    "tensor_parallel_size": [at_least(1)],
     # gateway
     "port": [between(1, 65535)],
     "host": [non_empty],
@@ -141,6 +143,12 @@ def _relations(config: msgspec.Struct) -> list[str]:
         errors.append("--dtype float16 is refused on a CPU: CPUs have no fast float16 matrix arithmetic "
                       "(torch falls back to slow paths); use --dtype bfloat16 (native on CPUs with AVX-512 "
                       "BF16 or AMX) or float32, or 'auto' to pick between them")
+    if get("quantization") == "int8":
+        if get("device") not in (None, "cpu"):
+            errors.append("--quantization int8 runs on the CPU only (PyTorch's dynamic int8 linears)")
+        if (get("tensor_parallel_size") or 1) > 1:
+            errors.append("--quantization int8 cannot be combined with --tensor-parallel-size above 1 "
+                          "(the split works on plain linear layers)")
     queue, floor = get("queue_timeout_s"), get("min_queue_timeout_s")
     if isinstance(queue, float) and isinstance(floor, float) and floor > queue > 0:
         errors.append(f"--min-queue-timeout-s ({floor:g}) must not exceed --queue-timeout-s ({queue:g})")

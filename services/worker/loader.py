@@ -85,14 +85,27 @@ def _convert_gguf(source: ModelSource, cache_dir: str, out: Path) -> None:
     log.info("converted in %.1fs", time.monotonic() - t0)
 
 
-def load_model(name: str, dtype: str = "auto", device: str = "cpu", cache_dir: str = "") -> LoadedModel:
+QUANTIZATIONS = ("none", "int8")
+
+
+def load_model(
+    name: str, dtype: str = "auto", device: str = "cpu", cache_dir: str = "", quantization: str = "none"
+) -> LoadedModel:
     """Load ``name`` with ferry's paged attention as its attention implementation."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     t0 = time.monotonic()
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported: expected one of {', '.join(QUANTIZATIONS)}")
     source = resolve_model(name)
     folder = model_dir(source, cache_dir)
     torch_dtype = resolve_dtype(dtype, device)
+    if quantization == "int8":
+        if not device.startswith("cpu"):
+            raise ValueError("--quantization int8 runs on the CPU only (PyTorch's dynamic int8 linear)")
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"--quantization int8 computes in float32; --dtype {dtype} cannot go with it")
+        torch_dtype = torch.float32
     register_paged_attention()
     hf_config = AutoConfig.from_pretrained(folder)
     if getattr(hf_config, "quantization_config", None) is not None:
@@ -103,5 +116,9 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", cache_dir: s
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if quantization == "int8":
+        from .quantize import quantize_int8
+
+        quantize_int8(model)
     config_dict = hf_config.to_dict()
     return LoadedModel(model, model.config, config_dict, folder, torch_dtype, time.monotonic() - t0)

@@ -75,3 +75,12 @@ def test_serve_and_bench_help_show_defaults(capsys: pytest.CaptureFixture[str]) 
     help_text = " ".join(run.format_help().split())
     assert "seconds of sending per run [default: 30.0]" in help_text
     assert "requests sent one by one before measuring [default: 1]" in help_text
+
+
+def test_int8_quantization_is_refused_where_it_cannot_run() -> None:
+    from shared.config import WorkerConfig
+
+    assert config_errors(WorkerConfig(quantization="int8")) == []
+    assert config_errors(WorkerConfig(quantization="int4")) == ["--quantization must be one of 'none', 'int8' (got 'int4')"]
+    assert any("tensor-parallel" in e for e in config_errors(WorkerConfig(quantization="int8", tensor_parallel_size=2)))
+    assert any("CPU only" in e for e in config_errors(WorkerConfig(quantization="int8", device="cuda")))

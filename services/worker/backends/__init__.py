@@ -26,6 +26,7 @@ multi-token chunks (prefill, chunked prefill, or recompute after preemption):
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,13 +103,23 @@ def available_backends(device_type: str | None = None) -> list[str]:
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend ``name`` (or ``auto``: the best registered one for ``device.type``)."""
     if name == "auto":
-        order = _AUTO_ORDER.get(device.type, [])
+        order = [entry.split(":", 1)[1] for entry in _AUTO_ORDER.get(device.type, [])]
         if not order:
             raise ValueError(f"no attention backend registered for device {device.type!r}")
-        name = order[0].split(":", 1)[1]
+        for candidate in order[:-1]:
+            try:  # a backend may be unusable here (no compiler for its kernel): take the next
+                return _REGISTRY[candidate][0](device)
+            except Exception as exc:  # noqa: BLE001 - any failure to build means "not available here"
+                logging.getLogger("ferry.worker.backends").warning(
+                    "attention backend %s unavailable on %s (%s); trying the next", candidate, device.type, exc)
+        name = order[-1]
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(available_backends())}")
     factory, devices = _REGISTRY[name]
     if device.type not in devices:
         raise ValueError(f"attention backend {name!r} runs on {', '.join(devices)}, not on {device.type}")
     return factory(device)
+
+
+# The built-in backends register themselves on import (after the registry above exists).
+from . import cpu_paged, reference  # noqa: E402,F401

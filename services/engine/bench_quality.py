@@ -1,0 +1,102 @@
+"""What ``--quantization int8`` costs in quality: greedy agreement and perplexity.
+
+    python -m services.engine.bench_quality --threads 2 --out results/quality-int8.json
+
+- Greedy agreement: 50 fixed prompts (chat template applied), ``--max-tokens`` greedy
+  tokens each, from ferry's offline engine in float32 and with int8 weights; reports the
+  share of prompts whose outputs are identical and the mean share of tokens before the
+  first difference.
+- Perplexity: the same model in plain transformers (float32, then quantized by the very
+  function the worker uses) on a fixed text, this repository's README.md (its first
+  ``--ppl-tokens`` tokens), teacher-forced in one pass.
+
+Prints one line per measurement and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.engine.offline import LLM, GenerationParams
+from services.worker.runner import set_num_threads
+
+SUBJECTS = ["the ocean", "a lighthouse keeper", "prime numbers", "bread baking", "the moon landing",
+            "a lost cat", "photosynthesis", "chess openings", "winter in Norway", "a robot learning to paint"]
+TEMPLATES = ["Write a short story about {}.", "Explain {} to a child.", "List three facts about {}.",
+             "Write a haiku about {}.", "What is the most surprising thing about {}?"]
+PROMPTS = [t.format(s) for s in SUBJECTS for t in TEMPLATES]  # 50
+
+
+def greedy_agreement(model: str, max_tokens: int, threads: int) -> dict[str, Any]:
+    params = GenerationParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs: dict[str, list[list[int]]] = {}
+    for quant in ("none", "int8"):
+        llm = LLM(model=model, dtype="float32", num_threads=threads, quantization=quant, kv_cache_memory=1 << 28)
+        conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
+        t0 = time.perf_counter()
+        outputs[quant] = [o.token_ids for o in llm.chat(conversations, params)]
+        print(f"greedy {quant}: {len(PROMPTS)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
+    same, prefix = 0, 0.0
+    for a, b in zip(outputs["none"], outputs["int8"], strict=True):
+        same += a == b
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        prefix += first / max(1, len(a))
+    return {"prompts": len(PROMPTS), "max_tokens": max_tokens, "identical": same,
+            "identical_share": round(same / len(PROMPTS), 3), "mean_agreeing_prefix": round(prefix / len(PROMPTS), 3)}
+
+
+def perplexity(model: str, text: str, num_tokens: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.models import resolve_model
+
+    from .loader import model_dir
+    from .quantize import quantize_int8
+
+    folder = model_dir(resolve_model(model))
+    ids = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt")["input_ids"][:, :num_tokens]
+    out: dict[str, Any] = {"tokens": int(ids.shape[1])}
+    for quant in ("none", "int8"):
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        if quant == "int8":
+            quantize_int8(hf)
+        with torch.inference_mode():
+            loss = hf(ids, labels=ids).loss.item()
+        out[quant] = round(math.exp(loss), 3)
+        print(f"perplexity {quant}: {out[quant]} over {ids.shape[1]} tokens", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.engine.bench_quality", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--ppl-text", default=str(Path(__file__).resolve().parents[2] / "README.md"))
+    p.add_argument("--ppl-tokens", type=int, default=1024)
+    p.add_argument("--out", default="results/quality-int8.json")
+    args = p.parse_args(argv)
+    set_num_threads(args.threads)
+    report = {
+        "model": args.model, "ppl_text": args.ppl_text,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
+        "greedy": greedy_agreement(args.model, args.max_tokens, args.threads),
+        "perplexity": perplexity(args.model, Path(args.ppl_text).read_text(), args.ppl_tokens),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

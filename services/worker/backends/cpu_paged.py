@@ -1,0 +1,120 @@
+"""``cpu_paged``: decodes read their keys and values in place, by a small C++ loop.
+
+Measured on the common load (docs/benchmarks.md, "CPU worker speed"): in the
+reference backend a decode step copies every block of every request out of the cache
+in every layer (``index_select``) and then runs SDPA over the copy, so the cache is
+read twice and written once, and SDPA's kernel is slow on the gathered (strided)
+layout. Here the decodes (the first ``num_decodes`` tokens of the step) go through
+``csrc/paged_decode.cpp``, which walks each request's block table and reads each key
+and value once, accumulating in float32. Multi-token chunks stay on the reference's
+SDPA path (a fresh prefill never touches the cache; a cached-prefix chunk gathers
+its blocks once per layer, which is rare).
+
+The extension is compiled on first use with the machine's own instruction set
+(``-march=native``) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), keyed by the source and this CPU's flags so a cache
+shared with another CPU is never loaded; later starts load it in well under a second.
+Without a C++ compiler the backend is unavailable and ``auto`` falls back to the
+reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import PagedBatch, register_backend
+from .reference import ReferenceBackend, ReferenceMetadata, write_kv
+
+log = logging.getLogger("ferry.worker.backends")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@cache
+def load_extension() -> Any:
+    """Build (once per source and CPU) and load the C++ decode kernel."""
+    from torch.utils.cpp_extension import load_inline
+
+    source = SOURCE.read_text()
+    key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    t0 = time.monotonic()
+    module = load_inline(
+        name=f"ferry_paged_decode_{key}", cpp_sources=[source], functions=["paged_decode"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False,
+    )
+    log.info("cpu_paged decode kernel ready in %.1fs", time.monotonic() - t0)
+    return module
+
+
+@dataclass
+class CpuPagedMetadata:
+    chunks: ReferenceMetadata  # slot mapping and the multi-token chunks
+    num_decodes: int
+    block_table: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [num_decodes] int32
+
+
+class CpuPagedBackend(ReferenceBackend):
+    name = "cpu_paged"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.kernel = load_extension()
+
+    def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
+        chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
+        self._prefill_spans(chunks, batch)
+        nd = batch.num_decodes
+        max_blocks = -(-max(batch.seq_lens_cpu[:nd], default=1) // batch.block_size)
+        return CpuPagedMetadata(
+            chunks=chunks,
+            num_decodes=nd,
+            block_table=batch.block_table[:nd, :max_blocks].contiguous(),
+            seq_lens=batch.seq_lens[:nd].contiguous(),
+        )
+
+    def forward(  # type: ignore[override]
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: CpuPagedMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(key, value, k_cache, v_cache, metadata.chunks.slot_mapping)
+        nd = metadata.num_decodes
+        q = query[:nd].to(k_cache.dtype).contiguous()
+        decoded = self.kernel.paged_decode(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, scale)
+        if nd == query.shape[0]:
+            return decoded.to(query.dtype)
+        out = query.new_empty(query.shape)
+        out[:nd] = decoded
+        self._prefills_forward(query, key, value, k_cache, v_cache, metadata.chunks.prefills, scale, out)
+        return out
+
+
+# Not auto: end to end on the common load it was slower than the reference (docs/benchmarks.md).
+register_backend("cpu_paged", CpuPagedBackend, ("cpu",), auto_rank=None)

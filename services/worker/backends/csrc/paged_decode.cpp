@@ -1,0 +1,109 @@
+// Paged decode attention for the CPU: one query token per request, read in place.
+//
+// The reference backend copies every block of every decoding request out of the
+// cache in every layer (index_select) and then runs SDPA over the copy: the cache is
+// read twice and written once. Here each (request, kv head) pair reads its keys and
+// values straight from their blocks, once: two passes over the context (scores, then
+// the softmax-weighted values), accumulated in float32 whatever the cache dtype.
+//
+//   query:        [num_decodes, num_heads, head_dim]        (contiguous)
+//   k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim] (contiguous)
+//   block_table:  [num_decodes, max_blocks] int32
+//   seq_lens:     [num_decodes] int32 (context length including the new token)
+//   returns       [num_decodes, num_heads, head_dim] in the query's dtype
+//
+// Query head h uses kv head h / (num_heads / num_kv_heads), as transformers' repeat_kv.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// HEAD_DIM > 0: a compile-time head size (the inner loops unroll fully); 0: head_dim at run time.
+template <typename scalar_t, int64_t HEAD_DIM>
+static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
+                          const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                          double scale) {
+  const int64_t HD = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the cache
+  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = lens[n];
+      const int32_t* table = bt + n * max_blocks;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          qf[g * head_dim + d] = static_cast<float>(q[(n * num_heads + kvh * group + g) * head_dim + d]) * scale;
+      scores.assign(group * len, 0.f);
+      // Block by block: one table lookup per block, no division per token.
+      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+        const scalar_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * head_dim;
+        const int64_t n_in = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n_in; ++j) {
+          const scalar_t* kp = base + j * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * HD;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < HD; ++d) dot += qg[d] * static_cast<float>(kp[d]);
+            scores[g * len + t0 + j] = dot;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float mx = *std::max_element(s, s + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - mx);
+          sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+        const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * head_dim;
+        const int64_t n_in = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n_in; ++j) {
+          const scalar_t* vp = base + j * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + t0 + j];
+            float* a = acc.data() + g * HD;
+#pragma omp simd
+            for (int64_t d = 0; d < HD; ++d) a[d] += p * static_cast<float>(vp[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out[(n * num_heads + kvh * group + g) * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
+  TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "contiguous tables");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache share a dtype");
+  const int64_t num_decodes = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes");
+  auto out = torch::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    auto run = [&](auto kernel) {
+      kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+             block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
+             num_heads, num_kv_heads, head_dim, block_size, block_table.size(1), scale);
+    };
+    if (head_dim == 64) run(decode_kernel<scalar_t, 64>);
+    else if (head_dim == 128) run(decode_kernel<scalar_t, 128>);
+    else run(decode_kernel<scalar_t, 0>);
+  });
+  return out;
+}
