@@ -7,7 +7,10 @@ The fix: Triton 3.6's interpreter turns a scalar tensor into a Python int with
 ``int(handle.data)``, but its scalars are 1-element arrays and numpy >= 2.4
 refuses ``int()`` of a 1-d array, so ``range(start, end)`` with loaded bounds
 (every paged-attention loop) fails. We convert through ``.item()`` instead.
-Compiled kernels on a GPU never take this path.
+Second fix: the interpreter keeps bfloat16 values as raw 16-bit patterns and its
+``tl.dot`` multiplies those integers; we widen bf16 operands to float32 first
+(exact, as a bf16 MMA with fp32 accumulation is). Compiled kernels on a GPU never
+take either path.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def enable_interpreter() -> bool:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
 
         interpreter._patch_lang_tensor = _patch
+        _fix_bf16_dot(interpreter)
         interpreter._ferry_index_fix = True
     if loaded:  # imported before the switch: compiled-mode functions, reload them interpreted
         import importlib
@@ -40,3 +44,22 @@ def enable_interpreter() -> bool:
         for name in loaded:
             importlib.reload(sys.modules[name])
     return True
+
+
+def _fix_bf16_dot(interpreter) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+    import triton.language as tl
+
+    builder_cls = interpreter.InterpreterBuilder
+    original = builder_cls.create_dot
+
+    def _widen(handle):  # type: ignore[no-untyped-def]
+        if handle.dtype != tl.bfloat16:
+            return handle
+        bits = handle.data.view(np.uint16).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        return original(self, _widen(a), _widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder_cls.create_dot = create_dot
