@@ -41,6 +41,9 @@ class TritonMetadata:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    # prepare() reads host-side sizes only and the kernels read lengths, tables and slots
+    # from device buffers, so a forward through this backend can be captured in a CUDA graph.
+    supports_cuda_graphs = True
 
     def __init__(self, device: torch.device, num_splits: int | None = None, prefill_block_m: int = 64) -> None:
         self.device = device
