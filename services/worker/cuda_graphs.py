@@ -33,7 +33,7 @@ import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -128,7 +128,7 @@ class StaticDecodeInputs:
         )
 
 
-def cuda_capture(pool: object, device: torch.device) -> Capture:
+def cuda_capture(pool: Any, device: torch.device) -> Capture:
     """Capture on a side stream into one shared memory pool (torch >= 2.1 API only)."""
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:
