@@ -101,6 +101,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """On a GPU: the step token budget the activation peak is profiled at (the scheduler's knob)."""
     max_num_seqs: int = 128
     """On a GPU: the sampling rows the activation peak is profiled with (the scheduler's knob)."""
+    attention_backend: str = "auto"
+    """Paged attention implementation: 'auto' (the fastest correct one for the device) or a
+    registered name ('reference', ...; docs/worker.md lists them)."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):

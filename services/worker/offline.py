@@ -98,6 +98,7 @@ class LLM:
         max_model_len: int = 0,
         num_threads: int = 0,
         cache_dir: str = "",
+        attention_backend: str = "auto",
         **scheduler_knobs: Any,
     ) -> None:
         set_num_threads(num_threads)
@@ -107,7 +108,7 @@ class LLM:
             model=model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, block_size=block_size,
             max_model_len=max_model_len, num_threads=num_threads, cache_dir=cache_dir,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
-            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_num_seqs=self.scheduler_config.max_num_seqs, attention_backend=attention_backend,
         )
         self.runner = ModelRunner(self.worker_config)
         self._tokenizer: Any = None

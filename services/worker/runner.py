@@ -6,7 +6,9 @@ keeps the persistent batch state. ``execute(plan)``:
 1. applies the plan's differences to the batch state;
 2. packs the scheduled tokens of every request on one axis with their
    positions (``num_computed_tokens`` onwards) and KV slots;
-3. runs transformers' model body once with ``ferry_meta`` (see attention.py);
+3. describes the step's attention once as a ``PagedBatch`` (decodes first), lets the
+   selected attention backend ``prepare`` it, and runs transformers' model body once
+   with ``ferry_meta`` (see attention.py and backends/);
 4. gathers the hidden state of the last scheduled token of each request that
    samples this step (its chunk reaches the end of its tokens) and applies the
    LM head to those rows only;
@@ -18,17 +20,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from shared.capacity import gpu_kv_budget_bytes
 from shared.config import WorkerConfig
 from shared.messages import StepPlan, StepResult
 
-from .attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from .attention import StepAttention
+from .backends import select_backend
+from .backends.build import build_paged_batch
 from .batch import BatchState, RequestState
 from .kv_cache import KVCache, num_blocks_for_budget
 from .loader import load_model
@@ -48,7 +50,7 @@ def set_num_threads(num_threads: int) -> int:
 class PackedInputs:
     input_ids: torch.Tensor  # [1, num_tokens]
     positions: torch.Tensor  # [1, num_tokens]
-    meta: AttentionMetadata
+    attention: StepAttention
     sample_states: list[RequestState]
     sample_token_idx: torch.Tensor  # [num_sampling] index of each sampling row's last token
 
@@ -86,6 +88,8 @@ class ModelRunner:
         self.kv = KVCache.allocate(loaded.config_dict, self.num_kv_blocks, self.block_size, self.dtype, config.device)
         self.kv_cache_bytes = self.kv.nbytes
         self.batch = BatchState(self.block_size)
+        self.attn_backend = select_backend(config.attention_backend, self.device)
+        log.info("attention backend: %s", self.attn_backend.name)
         self.sampler = Sampler(self.device)
 
     def _kv_budget(self, config_dict: dict) -> int:
@@ -108,11 +112,13 @@ class ModelRunner:
         blocks = -(-n // self.block_size)
         scratch = KVCache.allocate(config_dict, blocks, self.block_size, self.dtype, self.config.device)
         ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device).unsqueeze(0)
-        meta = AttentionMetadata(scratch.caches, pos[0].clone(), prefills=[PrefillSpan(0, n, 0, None, None)],
-                                 max_model_len=self.max_model_len)
+        backend = select_backend(self.config.attention_backend, self.device)
+        batch, positions = build_paged_batch([n], [n], [list(range(blocks))], self.block_size,
+                                             self.max_model_len, self.device)
+        step = StepAttention(backend, backend.prepare(batch), scratch.caches, self.max_model_len)
+        pos = torch.from_numpy(positions).to(self.device).unsqueeze(0)
         with torch.inference_mode():
-            hidden = self.body(input_ids=ids, position_ids=pos, use_cache=False, ferry_meta=meta).last_hidden_state
+            hidden = self.body(input_ids=ids, position_ids=pos, use_cache=False, ferry_meta=step).last_hidden_state
             self.lm_head(hidden[0, -min(n, self.config.max_num_seqs) :])
         del scratch
         torch.cuda.synchronize(self.device)
@@ -126,7 +132,7 @@ class ModelRunner:
         packed = self._pack(plan)
         with torch.inference_mode():
             out = self.body(
-                input_ids=packed.input_ids, position_ids=packed.positions, use_cache=False, ferry_meta=packed.meta
+                input_ids=packed.input_ids, position_ids=packed.positions, use_cache=False, ferry_meta=packed.attention
             )
             logits = None
             if packed.sample_states:
@@ -160,93 +166,44 @@ class ModelRunner:
         )
 
     def _pack(self, plan: StepPlan) -> PackedInputs:
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_idx: list[int] = []
-        decode_states: list[RequestState] = []
-        prefills: list[PrefillSpan] = []
-        sample_states: list[RequestState] = []
-        sample_idx: list[int] = []
+        """The step's tokens, positions and ``PagedBatch``: decodes first, then chunks."""
+        decodes: list[RequestState] = []
+        chunks: list[tuple[RequestState, int]] = []
         for req_id, num in plan.num_scheduled_tokens.items():
             state = self.batch.requests[req_id]
-            start = state.num_computed_tokens
-            end = start + num
-            offset = len(ids)
             if num == 1:
-                # Decodes dominate steps: plain ints, no per-request numpy arrays.
-                ids.append(state.token_ids[start])
-                positions.append(start)
-                slots.append(state.block_ids[start // bs] * bs + start % bs)
-                decode_idx.append(offset)
-                decode_states.append(state)
+                decodes.append(state)
             else:
-                ids.extend(state.token_ids[start:end])
-                positions.extend(range(start, end))
-                pos = np.arange(start, end)
-                table = np.asarray(state.block_ids[: -(-end // bs)], dtype=np.int64)
-                slots.extend((table[pos // bs] * bs + pos % bs).tolist())
-                prefills.append(self._prefill_span(state, offset, start, end))
-            if end == state.num_tokens:
+                chunks.append((state, num))
+        ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_ids: list[list[int]] = []
+        sample_states: list[RequestState] = []
+        sample_idx: list[int] = []
+        for state, num in [(d, 1) for d in decodes] + chunks:
+            start = state.num_computed_tokens
+            if num == 1:  # decodes dominate steps: plain ints, no slicing
+                ids.append(state.token_ids[start])
+            else:
+                ids.extend(state.token_ids[start : start + num])
+            query_lens.append(num)
+            seq_lens.append(start + num)
+            block_ids.append(state.block_ids)
+            if start + num == state.num_tokens:
                 sample_states.append(state)
-                sample_idx.append(offset + num - 1)
+                sample_idx.append(len(ids) - 1)
         dev = self.device
-        meta = AttentionMetadata(
-            kv_caches=self.kv.caches,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=prefills,
-            max_model_len=self.max_model_len,
-        )
-        if decode_states:
-            self._decode_metadata(meta, decode_idx, decode_states)
+        batch, positions = build_paged_batch(query_lens, seq_lens, block_ids, self.block_size,
+                                             self.max_model_len, dev)
+        step = StepAttention(self.attn_backend, self.attn_backend.prepare(batch), self.kv.caches,
+                             self.max_model_len)
         return PackedInputs(
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            positions=torch.tensor([positions], dtype=torch.long, device=dev),
-            meta=meta,
+            positions=torch.from_numpy(positions).to(dev).unsqueeze(0),
+            attention=step,
             sample_states=sample_states,
             sample_token_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
-        )
-
-    def _prefill_span(self, state: RequestState, offset: int, start: int, end: int) -> PrefillSpan:
-        if start == 0:
-            return PrefillSpan(offset, offset + end - start, 0, None, None)
-        ctx = end
-        num_blocks = -(-ctx // self.block_size)
-        block_ids = torch.tensor(state.block_ids[:num_blocks], dtype=torch.long, device=self.device)
-        # Query i sits at position start + i and sees keys 0..start + i.
-        q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
-        mask = torch.arange(ctx, device=self.device).unsqueeze(0) <= q_pos
-        return PrefillSpan(offset, offset + end - start, start, block_ids, mask)
-
-    def _decode_metadata(self, meta: AttentionMetadata, idx: list[int], states: Sequence[RequestState]) -> None:
-        """Group decodes by context length (sorted, a new group when padding would exceed ~25%)."""
-        ctx_lens = [s.num_computed_tokens + 1 for s in states]
-        order = sorted(range(len(states)), key=lambda i: ctx_lens[i])
-        group: list[int] = []
-        for i in order:
-            # Sorted ascending: padding this group to ctx_lens[i] wastes at most (1 - lo/hi).
-            if group and ctx_lens[group[0]] < 0.75 * ctx_lens[i] and ctx_lens[i] > 4 * self.block_size:
-                meta.decodes.append(self._decode_group([idx[j] for j in group], [states[j] for j in group]))
-                group = []
-            group.append(i)
-        if group:
-            meta.decodes.append(self._decode_group([idx[j] for j in group], [states[j] for j in group]))
-
-    def _decode_group(self, idx: list[int], states: Sequence[RequestState]) -> DecodeGroup:
-        bs = self.block_size
-        ctx_lens = np.array([s.num_computed_tokens + 1 for s in states], dtype=np.int64)
-        blocks_per = -(-ctx_lens // bs)
-        max_blocks = int(blocks_per.max())
-        table = np.zeros((len(states), max_blocks), dtype=np.int64)
-        for i, s in enumerate(states):
-            table[i, : blocks_per[i]] = s.block_ids[: blocks_per[i]]
-        valid = np.arange(max_blocks * bs)[None, :] < ctx_lens[:, None]
-        dev = self.device
-        return DecodeGroup(
-            token_idx=torch.tensor(idx, dtype=torch.long, device=dev),
-            block_table=torch.from_numpy(table).to(dev),
-            mask=torch.from_numpy(valid).to(dev).view(len(states), 1, 1, -1),
         )
 
 

@@ -112,3 +112,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     if device.type not in devices:
         raise ValueError(f"attention backend {name!r} runs on {', '.join(devices)}, not on {device.type}")
     return factory(device)
+
+
+# The built-in backends register themselves on import (after the registry above exists).
+from . import reference  # noqa: E402,F401

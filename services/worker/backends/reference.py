@@ -1,0 +1,161 @@
+"""The reference backend: ferry's original paged attention, kept as the yardstick.
+
+Every other backend is tested against this one. Per layer it (1) scatters the new
+keys/values into their slots of the layer's cache, (2) runs the decodes as a few
+padded SDPA calls over their gathered blocks (grouped by context length so a long
+document does not pad every short chat to its length), grouped-query style without
+repeating K/V, and (3) runs each multi-token chunk as its own SDPA call: with no
+cached prefix it attends to its own fresh K/V with a causal mask; with a cached
+prefix (chunked prefill, prefix cache hit) it gathers its blocks.
+
+Runs on any device SDPA runs on (cpu, cuda).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import AttentionBackend, PagedBatch, register_backend
+
+
+@dataclass
+class PrefillSpan:
+    """A multi-token chunk of one request: tokens [start, end) of the packed batch."""
+
+    start: int
+    end: int
+    num_computed: int  # tokens already in the cache before this chunk
+    block_ids: torch.Tensor | None  # [num_blocks] covering the context, when num_computed > 0
+    mask: torch.Tensor | None  # [q, ctx] bool, True = attend, when num_computed > 0
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token requests of similar context length, attended in one padded SDPA call."""
+
+    token_idx: torch.Tensor  # [num_decodes] index in the packed batch
+    block_table: torch.Tensor  # [num_decodes, max_blocks] (padded with 0)
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * bs] bool, True = attend
+
+
+@dataclass
+class ReferenceMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]
+    decodes: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` ([..., nb]) of ``cache`` as [..., nb * bs, kv_heads, head_dim]."""
+    blocks = cache.index_select(0, block_ids.reshape(-1))
+    return blocks.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' keys/values ([num_tokens, kv_heads, head_dim]) at their slots."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def prepare(self, batch: PagedBatch) -> ReferenceMetadata:
+        meta = ReferenceMetadata(slot_mapping=batch.slot_mapping)
+        if batch.num_decodes:
+            self._decode_groups(meta, batch)
+        qsl, seq_lens, bs = batch.query_start_loc_cpu, batch.seq_lens_cpu, batch.block_size
+        for i in range(batch.num_decodes, batch.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            ctx = seq_lens[i]
+            num_computed = ctx - (end - start)
+            if num_computed == 0:
+                meta.prefills.append(PrefillSpan(start, end, 0, None, None))
+                continue
+            block_ids = batch.block_table[i, : -(-ctx // bs)].long()
+            # Query j sits at position num_computed + j and sees keys 0..num_computed + j.
+            q_pos = torch.arange(num_computed, ctx, device=self.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=self.device).unsqueeze(0) <= q_pos
+            meta.prefills.append(PrefillSpan(start, end, num_computed, block_ids, mask))
+        return meta
+
+    def _decode_groups(self, meta: ReferenceMetadata, batch: PagedBatch) -> None:
+        """Group decodes by context length (sorted, a new group when padding would exceed ~25%)."""
+        ctx_lens = batch.seq_lens_cpu[: batch.num_decodes]
+        order = sorted(range(batch.num_decodes), key=lambda i: ctx_lens[i])
+        group: list[int] = []
+        for i in order:
+            # Sorted ascending: padding this group to ctx_lens[i] wastes at most (1 - lo/hi).
+            if group and ctx_lens[group[0]] < 0.75 * ctx_lens[i] and ctx_lens[i] > 4 * batch.block_size:
+                meta.decodes.append(self._decode_group(batch, group))
+                group = []
+            group.append(i)
+        if group:
+            meta.decodes.append(self._decode_group(batch, group))
+
+    def _decode_group(self, batch: PagedBatch, rows: list[int]) -> DecodeGroup:
+        bs = batch.block_size
+        ctx = torch.tensor([batch.seq_lens_cpu[i] for i in rows], device=self.device)
+        max_blocks = -(-int(ctx.max()) // bs)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)  # decode i is token i
+        valid = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < ctx.unsqueeze(1)
+        return DecodeGroup(
+            token_idx=idx,
+            block_table=batch.block_table.index_select(0, idx)[:, :max_blocks].long(),
+            mask=valid.view(len(rows), 1, 1, -1),
+        )
+
+    def forward(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: ReferenceMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        group = num_heads // num_kv_heads
+        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+        for dec in metadata.decodes:
+            num_decodes = dec.token_idx.shape[0]
+            # One query token per request; its heads grouped by the KV head they share:
+            # [num_decodes, kv_heads, group, head_dim] attends to [num_decodes, kv_heads, ctx, head_dim].
+            qd = query.index_select(0, dec.token_idx).view(num_decodes, num_kv_heads, group, head_dim)
+            kd = _gather(k_cache, dec.block_table).transpose(1, 2)
+            vd = _gather(v_cache, dec.block_table).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=dec.mask, scale=scale)
+            out.index_copy_(0, dec.token_idx, od.reshape(num_decodes, num_heads, head_dim))
+        for span in metadata.prefills:
+            qp = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
+            if span.num_computed == 0:
+                kp = key[span.start : span.end]
+                vp = value[span.start : span.end]
+                mask, causal = None, True
+            else:
+                assert span.block_ids is not None and span.mask is not None
+                ctx = span.num_computed + span.end - span.start
+                kp = _gather(k_cache, span.block_ids)[:ctx].to(qp.dtype)
+                vp = _gather(v_cache, span.block_ids)[:ctx].to(qp.dtype)
+                mask, causal = span.mask, False
+            op = F.scaled_dot_product_attention(
+                qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1,
+            )
+            out[span.start : span.end] = op[0].transpose(0, 1)
+        return out
+
+
+register_backend("reference", ReferenceBackend, ("cpu", "cuda"), auto_rank=100)

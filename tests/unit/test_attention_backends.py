@@ -1,0 +1,127 @@
+"""Every registered CPU attention backend against plain dense attention and the reference.
+
+Random inputs on a small paged cache (block size 4, shuffled block ids): GQA, MQA and
+MHA head layouts; decodes whose context ends exactly on a block boundary (full last
+block), one token into a new block, and a single-token context; a fresh prefill; chunked
+prefill over a cached prefix that ends mid-block and one that ends on a boundary; all in
+one mixed batch and each kind alone. Expected values come from float64 softmax attention
+over each request's whole context, computed here without any paging.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker.backends import PagedBatch, available_backends, select_backend
+from services.worker.backends.build import build_paged_batch
+
+BLOCK = 4
+NUM_BLOCKS = 40
+HEAD_DIM = 8
+
+# (query_len, context_len after the step) per request; decodes first.
+MIXED = [(1, 8), (1, 9), (1, 1), (1, 4), (1, 13), (7, 7), (3, 11), (4, 8), (2, 2)]
+CASES = {
+    "mixed": MIXED,
+    "decodes": [(1, n) for n in (1, 3, 4, 5, 8, 16, 17, 31)],
+    "prefills": [(5, 5), (16, 16), (3, 20), (8, 8)],
+    "prefix_chunks": [(3, 11), (4, 8), (5, 9), (6, 30)],
+}
+HEADS = {"gqa": (6, 2), "mqa": (4, 1), "mha": (3, 3)}
+
+
+def _setup(case: list[tuple[int, int]], heads: int, kv_heads: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    shape = (NUM_BLOCKS, BLOCK, kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen)  # garbage everywhere a request has not written
+    v_cache = torch.randn(shape, generator=gen)
+    block_ids, contexts, queries, keys, values = [], [], [], [], []
+    for q_len, ctx in case:
+        nb = -(-ctx // BLOCK)
+        ids = [perm.pop() for _ in range(nb + 1)]  # one spare block: tables may be longer than needed
+        k = torch.randn(ctx, kv_heads, HEAD_DIM, generator=gen)
+        v = torch.randn(ctx, kv_heads, HEAD_DIM, generator=gen)
+        for p in range(ctx - q_len):  # the cached prefix is already in the cache
+            k_cache[ids[p // BLOCK], p % BLOCK] = k[p]
+            v_cache[ids[p // BLOCK], p % BLOCK] = v[p]
+        block_ids.append(ids)
+        contexts.append((k, v))
+        queries.append(torch.randn(q_len, heads, HEAD_DIM, generator=gen))
+        keys.append(k[ctx - q_len :])
+        values.append(v[ctx - q_len :])
+    batch, positions = build_paged_batch([q for q, _ in case], [c for _, c in case], block_ids, BLOCK, 1024,
+                                         torch.device("cpu"))
+    return dict(batch=batch, positions=positions, k_cache=k_cache, v_cache=v_cache, contexts=contexts,
+                query=torch.cat(queries), key=torch.cat(keys), value=torch.cat(values), block_ids=block_ids)
+
+
+def _dense(case: list[tuple[int, int]], query: torch.Tensor, contexts: list, scale: float) -> torch.Tensor:
+    outs, start = [], 0
+    for (q_len, ctx), (k, v) in zip(case, contexts, strict=True):
+        q = query[start : start + q_len].double()  # [q, heads, d]
+        start += q_len
+        group = q.shape[1] // k.shape[1]
+        kk = k.double().repeat_interleave(group, dim=1)  # [ctx, heads, d]
+        vv = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+        q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(ctx).unsqueeze(0) > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
+    return torch.cat(outs).float()
+
+
+def test_build_paged_batch_positions_slots_and_order() -> None:
+    batch, positions = build_paged_batch([1, 1, 3], [5, 1, 6], [[7, 2], [3], [9, 4]], BLOCK, 64, torch.device("cpu"))
+    assert (batch.num_reqs, batch.num_decodes, batch.num_tokens) == (3, 2, 5)
+    assert batch.query_start_loc_cpu == (0, 1, 2, 5) and batch.seq_lens_cpu == (5, 1, 6)
+    assert positions.tolist() == [4, 0, 3, 4, 5]
+    # position 4 of [7, 2] -> block 2 slot 0; 0 of [3] -> 12; 3,4,5 of [9, 4] -> 39, 16, 17
+    assert batch.slot_mapping.tolist() == [8, 12, 39, 16, 17]
+    assert batch.block_table.tolist() == [[7, 2], [3, 0], [9, 4]]
+    assert (batch.max_query_len, batch.max_seq_len) == (3, 6)
+    with pytest.raises(ValueError, match="decodes"):
+        build_paged_batch([3, 1], [3, 4], [[1], [2]], BLOCK, 64, torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs 2 blocks"):
+        build_paged_batch([1], [5], [[1]], BLOCK, 64, torch.device("cpu"))
+
+
+def test_selecting_backends() -> None:
+    cpu = torch.device("cpu")
+    assert "reference" in available_backends("cpu") and "reference" in available_backends("cuda")
+    assert select_backend("reference", cpu).name == "reference"
+    assert select_backend("auto", cpu).name in available_backends("cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("no-such-backend", cpu)
+
+
+@pytest.mark.parametrize("backend_name", available_backends("cpu"))
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backend_matches_dense_attention_and_reference(backend_name: str, heads: str, case: str) -> None:
+    num_heads, num_kv_heads = HEADS[heads]
+    spec = CASES[case]
+    data = _setup(spec, num_heads, num_kv_heads, seed=sorted(HEADS).index(heads) * 10 + sorted(CASES).index(case))
+    batch: PagedBatch = data["batch"]
+    scale = HEAD_DIM**-0.5
+    expected = _dense(spec, data["query"], data["contexts"], scale)
+    results = {}
+    for name in ("reference", backend_name):
+        backend = select_backend(name, torch.device("cpu"))
+        k_cache, v_cache = data["k_cache"].clone(), data["v_cache"].clone()
+        meta = backend.prepare(batch)
+        # Two layers share one step's metadata: the second call must not depend on the first.
+        for layer in range(2):
+            out = backend.forward(layer, data["query"], data["key"], data["value"], k_cache, v_cache, meta, scale)
+        assert out.shape == data["query"].shape
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        results[name] = out
+        # The new tokens' keys and values landed in their slots.
+        slots = batch.slot_mapping
+        flat_k = k_cache.view(-1, num_kv_heads, HEAD_DIM)
+        torch.testing.assert_close(flat_k[slots], data["key"])
+        torch.testing.assert_close(v_cache.view(-1, num_kv_heads, HEAD_DIM)[slots], data["value"])
+    torch.testing.assert_close(results[backend_name], results["reference"], rtol=1e-5, atol=1e-5)
+    assert np.array_equal(data["positions"][: batch.num_decodes], np.array([c - 1 for _, c in spec[: batch.num_decodes]]))
