@@ -224,3 +224,63 @@ class EagerReplay:
 def eager_capture(fn: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:
     out = fn().clone()
     return EagerReplay(fn, out), out
+
+
+def graph_memory_estimate(sizes: list[int], vocab_size: int, logits_bytes: int, activation_peak_bytes: int,
+                          profiled_tokens: int) -> int:
+    """Bytes the captured graphs keep on the GPU, reserved before the KV cache is sized:
+    each bucket's output logits stay alive, and the shared pool holds the largest
+    bucket's activations (scaled from the profiled peak, which ran ``profiled_tokens``)."""
+    if not sizes:
+        return 0
+    outputs = sum(sizes) * vocab_size * logits_bytes
+    activations = activation_peak_bytes * min(1.0, sizes[-1] / max(1, profiled_tokens))
+    return int(outputs + activations)
+
+
+def graphs_wanted(device: torch.device, enforce_eager: bool, backend: object) -> str:
+    """Why decode steps run eagerly ('' when they can replay graphs)."""
+    if device.type != "cuda":
+        return f"device {device.type} has no CUDA graphs"
+    if enforce_eager:
+        return "--enforce-eager"
+    if not getattr(backend, "supports_cuda_graphs", False):
+        return f"attention backend {getattr(backend, 'name', '?')!r} cannot be captured"
+    return ""
+
+
+def decode_forward(body: torch.nn.Module, lm_head: torch.nn.Module, backend: object,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_model_len: int) -> DecodeForward:
+    """The runner's forward for a decode-only step: body, then the LM head on every row."""
+    from .attention import StepAttention
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        step = StepAttention(backend, backend.prepare(batch), kv_caches, max_model_len)  # type: ignore[attr-defined, arg-type]
+        with torch.inference_mode():
+            hidden = body(input_ids=input_ids, position_ids=positions, use_cache=False,
+                          ferry_meta=step).last_hidden_state
+            return lm_head(hidden[0])
+
+    return forward
+
+
+def setup_decode_graphs(device: torch.device, enforce_eager: bool, backend: object, body: torch.nn.Module,
+                        lm_head: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                        max_num_seqs: int, max_model_len: int, block_size: int) -> DecodeGraphs | None:
+    """Captured decode graphs for the runner, or None (eager) with the reason logged. A capture
+    that fails leaves the worker running eagerly rather than not at all."""
+    reason = graphs_wanted(device, enforce_eager, backend)
+    if reason:
+        log.info("CUDA graphs off: %s", reason)
+        return None
+    graphs = DecodeGraphs(decode_forward(body, lm_head, backend, kv_caches, max_model_len), max_num_seqs,
+                          max_model_len, block_size, device)
+    before = torch.cuda.memory_reserved(device)
+    try:
+        graphs.capture_all()
+    except Exception:
+        log.exception("CUDA graph capture failed; decode steps run eagerly")
+        torch.cuda.synchronize(device)
+        return None
+    log.info("CUDA graphs hold %.1f MiB", (torch.cuda.memory_reserved(device) - before) / 2**20)
+    return graphs

@@ -108,7 +108,7 @@ def body(opts: Options, stage: Stage) -> None:
     diffs: list[float] = []
     agree = total = 0
     for o, r in zip(outs16, ref, strict=True):
-        for lp, (ref_lp, ref_top) in zip(o.logprobs or [], r, strict=False):
+        for lp, (ref_lp, _) in zip(o.logprobs or [], r, strict=False):
             diffs.append(abs(lp.sampled.logprob - ref_lp))
         agree += sum(1 for t, (_, top) in zip(o.token_ids, r, strict=False) if t == top)
         total += len(r)

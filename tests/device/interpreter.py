@@ -38,6 +38,9 @@ def enable_interpreter() -> bool:
         interpreter._patch_lang_tensor = _patch
         _fix_bf16_dot(interpreter)
         interpreter._ferry_index_fix = True
+    kernels = sys.modules.get("services.worker.backends.triton_kernels")
+    if kernels is not None and isinstance(kernels._decode_kernel, interpreter.InterpretedFunction):
+        loaded = []  # already interpreted: a reload would only fork the backend class
     if loaded:  # imported before the switch: compiled-mode functions, reload them interpreted
         import importlib
 

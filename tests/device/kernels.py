@@ -8,6 +8,7 @@ shape. ``--cpu-dry-run`` runs the first few cases under the interpreter.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from tests.device.common import Options, Stage, run_stage, timed
@@ -104,18 +105,17 @@ def time_large(opts: Options, stage: Stage) -> None:
         backend.set_head_shape(spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
         meta = backend.prepare(case.batch)
         out = torch.empty_like(case.query)
-
-        def run_triton() -> None:
-            backend.forward(0, case.query, case.key, case.value, case.k_cache, case.v_cache, meta, case.scale, out=out)
-
-        run_triton()
-        t_triton = timed(run_triton, opts.device, repeat=20)
+        run = functools.partial(backend.forward, 0, case.query, case.key, case.value, case.k_cache, case.v_cache,
+                                meta, case.scale, out=out)
+        run()
+        t_triton = timed(run, opts.device, repeat=20)
         stage.record(f"{label}_triton_us", round(t_triton * 1e6, 1))
         kv_bytes = sum(case.batch.seq_lens_cpu) * spec["num_kv_heads"] * spec["head_dim"] * 2 * 2
         stage.record(f"{label}_kv_read_GBps", round(kv_bytes / t_triton / 1e9, 1))
         if "reference" in backends.available_backends("cuda"):
-            reference_attention(case)
-            t_ref = timed(lambda: reference_attention(case), opts.device, repeat=5)
+            ref = functools.partial(reference_attention, case)
+            ref()
+            t_ref = timed(ref, opts.device, repeat=5)
             stage.record(f"{label}_reference_us", round(t_ref * 1e6, 1))
 
 

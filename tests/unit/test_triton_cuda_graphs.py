@@ -5,6 +5,8 @@ inputs did not all flow through those buffers gives a wrong answer here too."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,12 +22,18 @@ from services.worker.backends.triton_backend import TritonBackend  # noqa: E402
 from services.worker.cuda_graphs import (  # noqa: E402
     DecodeGraphs,
     StaticDecodeInputs,
+    decode_forward,
     eager_capture,
     graph_batch_sizes,
+    graph_memory_estimate,
+    graphs_wanted,
     is_decode_only,
     pick_bucket,
 )
 from services.worker.cuda_staging import StepStaging  # noqa: E402
+from services.worker.runner import ModelRunner  # noqa: E402
+from shared.config import WorkerConfig  # noqa: E402
+from shared.messages import NewRequestData, SamplingParams, StepPlan  # noqa: E402
 from tests.device.attention_cases import make_case  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -135,3 +143,53 @@ def test_staging_one_copy_round_trip() -> None:
         a, b = getattr(case.batch, name), getattr(staged, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert staged.num_decodes == 1 and extra[0].tolist() == [3, 1, 4]
+
+
+def _plans(prompts: list[list[int]], nb: int) -> list[StepPlan]:
+    """Prefill every prompt in one step, then three decode steps."""
+    greedy = SamplingParams(temperature=0.0, logprobs=0)
+    new = [NewRequestData(req_id=f"r{i}", prompt_token_ids=p, sampling=greedy,
+                          block_ids=list(range(i * nb, (i + 1) * nb)), num_computed_tokens=0)
+           for i, p in enumerate(prompts)]
+    plans = [StepPlan(step_id=1, new_requests=new, num_scheduled_tokens={r.req_id: len(r.prompt_token_ids) for r in new})]
+    for step in range(2, 5):
+        plans.append(StepPlan(step_id=step, num_scheduled_tokens={r.req_id: 1 for r in new}))
+    return plans
+
+
+def test_runner_replays_decode_graphs_with_the_same_tokens(tiny_model_dir: Path) -> None:
+    """The real runner and model: decode steps through captured (stand-in) graphs with the
+    triton kernels give the tokens and logprobs of the eager reference path."""
+    config = WorkerConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
+                          max_num_seqs=4, max_model_len=128, num_threads=1)
+    prompts = [[5, 9, 200, 7, 31], [44, 3], [1000, 17, 17, 2, 8, 99, 12]]
+    eager = ModelRunner(config)
+    graphed = ModelRunner(config)
+    assert graphed.graphs is None  # CPU: no CUDA graphs unless a test installs them
+    backend = TritonBackend(CPU, prefill_block_m=16)
+    graphed.graphs = DecodeGraphs(
+        decode_forward(graphed.body, graphed.lm_head, backend, graphed.kv.caches, graphed.max_model_len),
+        max_num_seqs=4, max_model_len=graphed.max_model_len, block_size=graphed.block_size, device=CPU,
+        capture=eager_capture)
+    graphed.graphs.capture_all()
+    for plan in _plans(prompts, nb=2):
+        want = eager.execute(plan)
+        got = graphed.execute(plan)
+        assert got.sampled_token_ids == want.sampled_token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a is not None and b is not None
+            assert abs(a.sampled.logprob - b.sampled.logprob) < 1e-4
+    assert graphed.graphs.num_replays == 3  # the prefill step ran eagerly, the three decodes replayed
+
+
+def test_graphs_off_reasons() -> None:
+    backend = TritonBackend(CPU)
+    assert "no CUDA graphs" in graphs_wanted(CPU, False, backend)
+    cuda = torch.device("cuda")
+    assert graphs_wanted(cuda, True, backend) == "--enforce-eager"
+    assert "cannot be captured" in graphs_wanted(cuda, False, object())
+    assert graphs_wanted(cuda, False, backend) == ""
+    assert WorkerConfig().enforce_eager is False
+    assert graph_memory_estimate([], 100, 2, 10, 10) == 0
+    # Outputs for every bucket (1+2+4 rows of 100 logits of 2 bytes) + activations scaled to 4 of 8 tokens.
+    assert graph_memory_estimate([1, 2, 4], 100, 2, 800, 8) == 7 * 100 * 2 + 400

@@ -106,8 +106,8 @@ class TritonBackend(AttentionBackend):
         if self._head_shape is None:
             self._head_shape = (query.shape[1], key.shape[1], query.shape[2])
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        if out is None:
-            out = torch.empty_like(query)
+        if out is None:  # contiguous, whatever the query's strides: the model reshapes it to [tokens, hidden]
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_decodes:
             if meta.num_splits > 1 and meta.partials is None:
                 meta.partials = decode_partials(meta.num_decodes, query.shape[1], meta.num_splits,
