@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from . import AttentionBackend, PagedBatch, register_backend
-from .triton_kernels import choose_num_splits, decode_attention, decode_partials, prefill_attention, write_kv
+from .triton_kernels import (
+    TILE_N,
+    choose_num_splits,
+    decode_attention,
+    decode_partials,
+    prefill_attention,
+    write_kv,
+)
 
 # Programs the decode kernel aims for per SM when it decides to split the context.
 INTERPRETER_NUM_SMS = 4  # small, so CPU tests exercise split-K at tiny shapes
@@ -74,7 +81,7 @@ class TritonBackend(AttentionBackend):
                 num_splits = self.fixed_num_splits
             elif self._head_shape is not None:
                 num_splits = choose_num_splits(batch.num_decodes, self._head_shape[1], batch.max_seq_len,
-                                               batch.block_size, self.num_sms)
+                                               max(batch.block_size, TILE_N), self.num_sms)
             if num_splits > 1 and self._head_shape is not None:
                 num_heads, _, head_dim = self._head_shape
                 partials = decode_partials(batch.num_decodes, num_heads, num_splits, head_dim, self.device)

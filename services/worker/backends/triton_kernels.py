@@ -14,12 +14,12 @@ unnormalised partial output plus its running max and sum, and a small reduce
 kernel combines them (log-sum-exp). With one split the kernel writes the output
 directly.
 
-    request r, seq_len 70, block_size 16 -> blocks 0..4, num_splits 2:
-    split 0: blocks 0,1,2  (tokens 0..47)    split 1: blocks 3,4 (tokens 48..69)
+    request r, seq_len 200, TILE_N 64 (4 pages of 16) -> tiles 0..3, num_splits 2:
+    split 0: tiles 0,1 (tokens 0..127)    split 1: tiles 2,3 (tokens 128..199)
 
 Prefill (multi-token chunks, with or without a cached prefix), grid
 ``(num_chunks, num_heads, cdiv(max_query_len, BLOCK_M))``: a tile of BLOCK_M
-query rows of one request and one head walks the request's blocks up to the
+query rows of one request and one head walks the request's key tiles up to the
 tile's last position, causally masked; the cached prefix and the chunk's own
 keys are read the same way, from the cache (the KV write runs first).
 
@@ -39,6 +39,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 NEG = -1.0e30  # a finite -inf: exp2(NEG - m) is 0 for any real m, and NEG - NEG is 0, not NaN
 MIN_DOT = 16  # tl.dot wants every dimension >= 16
+# Keys per inner-loop step: several pages at once (each key looks up its own page), so a
+# step moves enough bytes to keep loads in flight and the dots are not 16 wide.
+TILE_N = 64
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -109,20 +112,21 @@ def _decode_kernel(
     stride_vc_block, stride_vc_tok, stride_vc_head,
     stride_bt,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)  # decodes come first: request i is token i
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     b_start = split * per_split
-    b_end = tl.minimum(b_start + per_split, num_blocks)
+    b_end = tl.minimum(b_start + per_split, num_tiles)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_PAD)
-    t = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, TILE_N)
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
@@ -134,18 +138,21 @@ def _decode_kernel(
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     for b in range(b_start, b_end):
-        blk = tl.load(block_table_ptr + req * stride_bt + b).to(tl.int64)
-        valid = b * BLOCK_SIZE + t < seq_len
+        # A tile of TILE_N keys spans TILE_N // BLOCK_SIZE pages: each key finds its page.
+        pos = b * TILE_N + t
+        valid = pos < seq_len
+        blk = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = pos % BLOCK_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blk * stride_kc_block + t[:, None] * stride_kc_tok + kvh * stride_kc_head
+        k = tl.load(k_cache_ptr + (blk * stride_kc_block + off * stride_kc_tok)[:, None] + kvh * stride_kc_head
                     + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_SIZE]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
         s = tl.where(valid[None, :], s, NEG)
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blk * stride_vc_block + t[:, None] * stride_vc_tok + kvh * stride_vc_head
+        v = tl.load(v_cache_ptr + (blk * stride_vc_block + off * stride_vc_tok)[:, None] + kvh * stride_vc_head
                     + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
@@ -203,6 +210,7 @@ def decode_attention(
     scale: float,
     num_splits: int,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tile_n: int = TILE_N,
 ) -> None:
     if num_decodes == 0:
         return
@@ -221,7 +229,7 @@ def decode_attention(
         block_table.stride(0),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=_pow2(group, MIN_DOT),
         HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim, MIN_DOT), BLOCK_SIZE=block_size,
-        PRECISION=_dot_precision(k_cache.dtype),
+        TILE_N=max(block_size, tile_n), PRECISION=_dot_precision(k_cache.dtype),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](
@@ -231,15 +239,15 @@ def decode_attention(
         )
 
 
-def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, block_size: int,
+def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, tile: int,
                       num_sms: int, min_tokens_per_split: int = 256, max_splits: int = 16) -> int:
     """Split the context only when requests x KV heads leave SMs idle, and only as far as
     each split keeps at least ``min_tokens_per_split`` keys (the reduce is not free)."""
     programs = max(1, num_decodes * num_kv_heads)
     want = math.ceil(2 * num_sms / programs)
-    blocks = math.ceil(max(1, max_seq_len) / block_size)
+    tiles = math.ceil(max(1, max_seq_len) / tile)
     by_len = math.ceil(max(1, max_seq_len) / min_tokens_per_split)
-    return max(1, min(want, by_len, blocks, max_splits))
+    return max(1, min(want, by_len, tiles, max_splits))
 
 
 # --------------------------------------------------------------------------- prefill
@@ -252,7 +260,7 @@ def _prefill_kernel(
     stride_vc_block, stride_vc_tok, stride_vc_head,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0) + first_req
     head = tl.program_id(1)
@@ -267,7 +275,7 @@ def _prefill_kernel(
     row_mask = rows < q_len
     q_pos = ctx_start + rows
     d = tl.arange(0, HEAD_PAD)
-    t = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, TILE_N)
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
@@ -280,20 +288,21 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], NEG, tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for b in range(0, tl.cdiv(key_end, BLOCK_SIZE)):
-        blk = tl.load(block_table_ptr + req * stride_bt + b).to(tl.int64)
-        k_pos = b * BLOCK_SIZE + t
+    for b in range(0, tl.cdiv(key_end, TILE_N)):
+        k_pos = b * TILE_N + t
         valid = k_pos < seq_len
+        blk = tl.load(block_table_ptr + req * stride_bt + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = k_pos % BLOCK_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blk * stride_kc_block + t[:, None] * stride_kc_tok + kvh * stride_kc_head
+        k = tl.load(k_cache_ptr + (blk * stride_kc_block + off * stride_kc_tok)[:, None] + kvh * stride_kc_head
                     + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_SIZE]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         s = tl.where(valid[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, NEG)
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blk * stride_vc_block + t[:, None] * stride_vc_tok + kvh * stride_vc_head
+        v = tl.load(v_cache_ptr + (blk * stride_vc_block + off * stride_vc_tok)[:, None] + kvh * stride_vc_head
                     + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
@@ -315,6 +324,7 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     block_m: int = 64,
+    tile_n: int = TILE_N,
 ) -> None:
     num_chunks = num_reqs - first_req
     if num_chunks <= 0:
@@ -331,5 +341,6 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim, MIN_DOT),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, PRECISION=_dot_precision(k_cache.dtype),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, TILE_N=max(k_cache.shape[1], tile_n),
+        PRECISION=_dot_precision(k_cache.dtype),
     )
