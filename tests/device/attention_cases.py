@@ -44,7 +44,8 @@ def make_case(
     """Decodes (num_new == 1) must come first, as the runner orders them. ``extra_blocks``
     appends that many allocated-but-empty blocks (full of garbage) to every block table,
     as the scheduler does when it allocates ahead."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # block layout, on the host
+    dev_gen = torch.Generator(device=device).manual_seed(seed)  # values, where they live (GBs on a GPU)
     num_decodes = 0
     for i, (_, n) in enumerate(reqs):
         if n == 1 and i == num_decodes:
@@ -64,11 +65,13 @@ def make_case(
             slots.append(ids[p // block_size] * block_size + p % block_size)
     num_tokens = sum(n for _, n in reqs)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
-    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=dev_gen, device=device).to(dtype)
+
+    k_cache, v_cache = rand(*shape), rand(*shape)
+    query = rand(num_tokens, num_heads, head_dim)
+    key, value = rand(num_tokens, num_kv_heads, head_dim), rand(num_tokens, num_kv_heads, head_dim)
     qsl = [0]
     for _, n in reqs:
         qsl.append(qsl[-1] + n)
@@ -88,8 +91,7 @@ def make_case(
         query_start_loc_cpu=tuple(qsl),
         seq_lens_cpu=tuple(seq_lens),
     )
-    return AttentionCase(batch, query.to(dev), key.to(dev), value.to(dev), k_cache.to(dev), v_cache.to(dev),
-                         scale=head_dim**-0.5)
+    return AttentionCase(batch, query, key, value, k_cache, v_cache, scale=head_dim**-0.5)
 
 
 def reference_attention(case: AttentionCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

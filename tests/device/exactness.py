@@ -35,12 +35,14 @@ def hf_greedy(model_dir: str, ids: list[list[int]], device: str) -> list[list[in
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.to(device).eval()
+    # No EOS: exactly MAX_TOKENS greedy tokens, like ferry's ignore_eos (min_new_tokens would
+    # instead mask EOS and pick the runner-up where EOS is the argmax).
+    model.generation_config.eos_token_id = None
     out = []
     with torch.inference_mode():
         for p in ids:  # one at a time: no padding, so nothing but the kernels differs
             x = torch.tensor([p], device=device)
-            g = model.generate(x, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS,
-                               pad_token_id=0)
+            g = model.generate(x, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
             out.append(g[0, len(p):].tolist())
     del model
     return out

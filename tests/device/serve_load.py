@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tests.device.common import SMOLLM2_135M, TINY, Options, SkipStage, Stage, build_model_folder, run_stage
 
-STREAMS, PROMPT_TOKENS, OUTPUT_TOKENS, DURATION_S = 64, 200, 64, 40.0
+STREAMS, PROMPT_TOKENS, OUTPUT_TOKENS, DURATION_S = 64, 200, 64, 30.0
 DRY = dict(streams=4, prompt=16, output=8, duration=6.0)
 
 
