@@ -103,8 +103,6 @@ def body(opts: Options, stage: Stage) -> None:
     if mismatches:
         stage.data["status"] = "fail"
         stage.data["error"] = f"{len(mismatches)}/{len(ids)} prompts differ from transformers generate in float32"
-    if opts.cpu_dry_run:
-        return  # bf16 on this CPU says nothing about the GPU's bf16 kernels
     outs16, _ = ferry_generate(model_dir, ids, "bfloat16", opts.device, logprobs=True)
     ref = hf_logprobs(model_dir, [(p, o.token_ids) for p, o in zip(ids, outs16, strict=True)], opts.device)
     diffs: list[float] = []
@@ -118,7 +116,8 @@ def body(opts: Options, stage: Stage) -> None:
     stage.record("bf16_mean_abs_logprob_diff", round(mean, 4))
     stage.record("bf16_max_abs_logprob_diff", round(max(diffs, default=0.0), 4))
     stage.record("bf16_top1_agreement", round(agree / max(1, total), 4))
-    if mean > BF16_MEAN_LOGPROB_DIFF or agree / max(1, total) < BF16_TOP1_AGREEMENT:
+    # On the CPU dry run bf16 says nothing about the GPU's bf16 kernels: recorded, not judged.
+    if not opts.cpu_dry_run and (mean > BF16_MEAN_LOGPROB_DIFF or agree / max(1, total) < BF16_TOP1_AGREEMENT):
         stage.data["status"] = "fail"
         stage.data["error"] = (stage.data.get("error", "") + " bf16 logprobs far from float32").strip()
 
