@@ -8,9 +8,12 @@ packed byte-for-byte into one pinned buffer and sent with a single
 ``non_blocking`` copy; the device tensors are typed views into one device buffer
 (offsets aligned to 8 bytes), so no cast kernel runs either.
 
-Reuse is safe without an event: the pinned buffer is rewritten only by the next
-step's ``stage``, and every step ends with the host reading the sampled tokens,
-which waits for the whole stream, this copy included.
+Reuse: the device buffer is rewritten by the next step's copy, which the stream
+orders after this step's kernels. The pinned host buffer is rewritten by the next
+``stage`` on the host, which may run before this copy has happened (a step that
+samples nothing ends without waiting for the GPU), so ``stage`` first waits on an
+event recorded after the previous copy: it waits for that copy (and whatever was
+queued before it), not for the kernels of the step that copy fed.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class StepStaging:
         self.capacity = nbytes
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy (CUDA only)
 
     def stage(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Device tensors equal to ``arrays`` (same dtypes and shapes), after one copy."""
@@ -44,6 +48,8 @@ class StepStaging:
         for a in arrays:
             offsets.append(total)
             total += -(-a.nbytes // _ALIGN) * _ALIGN
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the pinned buffer
         if total > self.capacity:
             self._alloc(max(total, 2 * self.capacity))
         host = self.host.numpy()
@@ -51,6 +57,9 @@ class StepStaging:
             host[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         if total:
             self.dev[:total].copy_(self.host[:total], non_blocking=True)
+            if self._pin:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
         out = []
         for a, off in zip(arrays, offsets, strict=True):
             dtype = _TORCH_DTYPES[np.dtype(a.dtype)]

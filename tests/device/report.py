@@ -54,6 +54,8 @@ def goals(stages: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 def headline(stage: dict[str, Any]) -> str:
     n = stage.get("numbers", {})
+    if not n:
+        return str(stage.get("reason", ""))
     if stage.get("stage") == "kernels":
         return f"{n.get('num_cases')} cases, max err {n.get('max_abs_err')}, {len(n.get('failures', []))} failures"
     if stage.get("stage") == "exactness":
