@@ -193,3 +193,18 @@ def test_graphs_off_reasons() -> None:
     assert graph_memory_estimate([], 100, 2, 10, 10) == 0
     # Outputs for every bucket (1+2+4 rows of 100 logits of 2 bytes) + activations scaled to 4 of 8 tokens.
     assert graph_memory_estimate([1, 2, 4], 100, 2, 800, 8) == 7 * 100 * 2 + 400
+
+
+def test_enforce_eager_flag_reaches_the_worker_config() -> None:
+    import argparse
+
+    from shared.config import add_config_args, config_from_args, config_to_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, WorkerConfig)
+    config = config_from_args(WorkerConfig, parser.parse_args(["--enforce-eager", "--device", "cuda"]))
+    assert config.enforce_eager is True
+    # The supervisor rebuilds a worker's config from flags: the knob survives the round trip.
+    again = config_from_args(WorkerConfig, parser.parse_args(config_to_flags(config)))
+    assert again.enforce_eager is True and again.device == "cuda"
+    assert config_from_args(WorkerConfig, parser.parse_args([])).enforce_eager is False
