@@ -163,9 +163,11 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[Replayable, torch.Tensor]] = {}
         self.num_replays = 0
 
-    def capture_all(self, warmup: int = 1) -> float:
+    def capture_all(self, warmup: int = 2) -> float:
         """Capture every bucket, largest first (the memory pool is sized once, smaller graphs
-        reuse it). Each bucket runs eagerly first so Triton compiles outside the capture.
+        reuse it). Each bucket runs eagerly first, twice: a backend may settle its per-step
+        plan (the triton backend learns the head shape in its first forward, then picks its
+        split count) and Triton must compile every variant outside the capture.
         Returns the seconds spent."""
         import time
 

