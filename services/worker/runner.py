@@ -56,7 +56,7 @@ class PackedInputs:
     attention: StepAttention
     sample_states: list[RequestState]
     sample_token_idx: torch.Tensor  # [num_sampling] index of each sampling row's last token
-    batch: PagedBatch | None = None
+    batch: PagedBatch  # the step's attention work (on the device)
 
 
 class ModelRunner:
@@ -152,10 +152,10 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, rank=self.config.rank)
         t0 = time.perf_counter()
         packed = self._pack(plan)
-        bucket = self.graphs.bucket_for(packed.batch) if self.graphs and packed.batch else None
+        bucket = self.graphs.bucket_for(packed.batch) if self.graphs is not None else None
         with torch.inference_mode():
             logits = None
-            if bucket is not None and self.graphs and packed.batch:  # decode-only: replay, keep sampling rows
+            if bucket is not None and self.graphs is not None:  # decode-only: replay, keep sampling rows
                 all_logits = self.graphs.run(bucket, packed.input_ids, packed.positions, packed.batch)
                 if packed.sample_states:
                     logits = all_logits.index_select(0, packed.sample_token_idx)
