@@ -44,6 +44,9 @@ class TritonMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64 (-1: padding, not written)
     partials: tuple[torch.Tensor, torch.Tensor] | None  # split-K scratch, shared by all layers
+    # The attention output, allocated by the first layer and rewritten by every later one:
+    # layer i's output is read by its o_proj before layer i+1's kernels run (one stream).
+    out: torch.Tensor | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -113,8 +116,11 @@ class TritonBackend(AttentionBackend):
         if self._head_shape is None:
             self._head_shape = (query.shape[1], key.shape[1], query.shape[2])
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        if out is None:  # contiguous, whatever the query's strides: the model reshapes it to [tokens, hidden]
-            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if out is None:
+            if meta.out is None or meta.out.shape != query.shape or meta.out.dtype != query.dtype:
+                # contiguous, whatever the query's strides: the model reshapes it to [tokens, hidden]
+                meta.out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            out = meta.out
         if meta.num_decodes:
             if meta.num_splits > 1 and meta.partials is None:
                 meta.partials = decode_partials(meta.num_decodes, query.shape[1], meta.num_splits,
