@@ -106,6 +106,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     registered name ('reference', ...; docs/worker.md lists them)."""
     enforce_eager: bool = False
     """On a GPU: never capture CUDA graphs; every step runs eagerly (vLLM's name)."""
+    quantization: str = "none"
+    """'none' or 'int8' (dynamic int8 weights for the linear layers, CPU only; docs/worker.md)."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):

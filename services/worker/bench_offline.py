@@ -68,10 +68,15 @@ class Run:
     output_tok_s: float
     total_tok_s: float
     settings: dict[str, Any]
+    profile: dict[str, Any] | None = None
 
 
 def make_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
+    if args.workload == "common":
+        # The issue's common load: distinct fixed-length prompts, fixed output length.
+        prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+        return Workload(prompts, [args.max_tokens] * args.num_prompts, ["common"] * args.num_prompts)
     system = [rng.randrange(1000, 40000) for _ in range(32)]  # shared by every chat
     items: list[tuple[list[int], int, str]] = []
     for _ in range(args.num_chats):
@@ -99,16 +104,25 @@ def timed(system: str, dtype: str, threads: int, work: Workload, settings: dict[
 
 def run_ferry(work: Workload, dtype: str, args: argparse.Namespace) -> Run:
     settings = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                    kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=True, enable_chunked_prefill=True)
+                    kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=True, enable_chunked_prefill=True,
+                    attention_backend=args.attention_backend, quantization=args.quantization)
+    t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=dtype, num_threads=args.threads, **settings)  # type: ignore[arg-type]
     llm.generate([[1, 2, 3]], GenerationParams(max_tokens=2))  # warm-up: first-call allocations
+    settings["attention_backend"] = llm.runner.attn_backend.name
+    settings["startup_s"] = round(time.perf_counter() - t0, 2)
 
     def go() -> int:
         params = [GenerationParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in work.max_tokens]
         outs = llm.generate(work.prompts, params, decode=False)
         return sum(len(o.token_ids) for o in outs)
 
-    return timed("ferry", dtype, args.threads, work, settings, go)
+    run = timed("ferry", dtype, args.threads, work, settings, go)
+    if args.profile:
+        from .bench_profile import profile_shares
+
+        run.profile = profile_shares(go, llm.runner.model, llm.runner.sampler)
+    return run
 
 
 def _hf_model(args: argparse.Namespace, dtype: str, attn: str | None = None) -> Any:
@@ -223,6 +237,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chat-output", type=_pair, default=(32, 160))
     p.add_argument("--doc-prompt", type=_pair, default=(400, 900))
     p.add_argument("--doc-output", type=_pair, default=(16, 64))
+    p.add_argument("--workload", choices=["mixed", "common"], default="mixed",
+                   help="mixed: chats + documents; common: --num-prompts distinct prompts of --prompt-len tokens, "
+                        "--max-tokens each (the issue-11 load: 64 x 200 -> 64)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--profile", action="store_true", help="ferry only: run the workload again under cProfile")
+    p.add_argument("--gemm-limit", action="store_true",
+                   help="measure matmul rates at the model's shapes and the trace's GEMM limit, per dtype")
     p.add_argument("--static-batch-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -245,13 +270,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = make_workload(args)
     if not args.one:
-        print(f"workload: {len(work.prompts)} requests ({args.num_chats} chats, {args.num_docs} docs), "
+        kinds = f"{args.num_chats} chats, {args.num_docs} docs" if args.workload == "mixed" else "common"
+        print(f"workload: {len(work.prompts)} requests ({kinds}), "
               f"{work.num_prompt_tokens} prompt + {work.num_output_tokens} output tokens; threads {args.threads}")
     if args.one:
         system, dtype = args.one.split("@")
         run = SYSTEMS[system](work, dtype, args)
         Path(args.out).write_text(json.dumps(asdict(run)))
         return 0
+    limit = None
+    if args.gemm_limit:
+        from shared.models import resolve_model
+
+        from .bench_profile import gemm_limit
+        from .loader import model_dir
+
+        config = json.loads((model_dir(resolve_model(args.model)) / "config.json").read_text())
+        limit = gemm_limit(config, work.num_prompt_tokens, work.num_output_tokens, len(work.prompts), ["float32", "bfloat16"],
+                           prefill_m=args.max_num_batched_tokens, decode_m=min(args.max_num_seqs, len(work.prompts)))
     runs = [_isolated(system, dtype, argv)
             for dtype in args.dtypes.split(",") for system in args.systems.split(",")]
     ratios: dict[str, dict[str, float]] = {}
@@ -277,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "loadavg": os.getloadavg()},
         "workload": {k: v for k, v in vars(args).items() if k != "out"},
         "num_prompt_tokens": work.num_prompt_tokens, "num_output_tokens": work.num_output_tokens,
-        "runs": [asdict(r) for r in runs], "ratios": ratios,
+        "runs": [asdict(r) for r in runs], "ratios": ratios, "gemm_limit": limit,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -99,6 +99,7 @@ class LLM:
         num_threads: int = 0,
         cache_dir: str = "",
         attention_backend: str = "auto",
+        quantization: str = "none",
         **scheduler_knobs: Any,
     ) -> None:
         set_num_threads(num_threads)
@@ -109,6 +110,7 @@ class LLM:
             max_model_len=max_model_len, num_threads=num_threads, cache_dir=cache_dir,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             max_num_seqs=self.scheduler_config.max_num_seqs, attention_backend=attention_backend,
+            quantization=quantization,
         )
         self.runner = ModelRunner(self.worker_config)
         self._tokenizer: Any = None

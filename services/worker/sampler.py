@@ -1,16 +1,24 @@
 """Batched sampling: logits of the requests that sample this step -> one token each.
 
 Order of operations (vLLM's): penalties (repetition on prompt + outputs,
-presence / frequency on outputs), then greedy rows take the argmax; random rows
-divide by temperature, apply top-k, top-p and min-p, and draw with the
-"exponential race" ``argmax(p / E)``, ``E ~ Exp(1)``, which equals sampling from
-``p`` but lets each row use its own noise.
+presence / frequency on outputs), then token constraints (seam 2, see
+``Sampler.__call__``), then greedy rows take the argmax; random rows divide by
+temperature, apply top-k, top-p and min-p, and draw with the "exponential race"
+``argmax(p / E)``, ``E = -log U ~ Exp(1)``, which equals sampling from ``p`` but
+lets each row use its own noise.
+
+Speed (a 49,152-token vocabulary, several rows per step): no full sort. Rows with
+top-k or top-p work on a candidate set from one ``topk``: a top-k row's own k best
+tokens; a top-p row's best ``TOP_P_CANDIDATES``, which is exact whenever they hold
+at least ``top_p`` of the mass (checked per row; a row where they do not falls back
+to the whole vocabulary). Noise is drawn only over a row's candidates, as uniforms
+(``uniform_`` then ``-log``: several times cheaper than ``exponential_``).
 
 Seeds: a seeded request draws its noise from a generator seeded by
-``(seed, number of outputs so far)``, so its stream depends neither on the
-other requests in the batch nor on preemption (a resumed request regenerates
-the same noise for the same output position). Unseeded rows share one
-generator.
+``(seed, number of outputs so far)``, over a width that depends only on its own
+parameters and logits, so its stream depends neither on the other requests in
+the batch nor on preemption (a resumed request regenerates the same noise for
+the same output position). Unseeded rows share one generator.
 
 Logprobs are those of the model's raw distribution (log-softmax of the logits
 before penalties and temperature), like vLLM's default.
@@ -52,6 +60,8 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, params, token_ids, output_counts)
+        # Seam 2 (SEAMS.md): token constraints apply HERE, after penalties and before the
+        # greedy/random split, as one call: logits = apply_constraints(logits, constraints).
         greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
         if not random_rows:  # the common all-greedy batch: no row gathering, no copies
@@ -76,9 +86,74 @@ class Sampler:
     def _draw(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
     ) -> torch.Tensor:
-        probs = self._probs(logits, params)
-        noise = self._noise(probs.shape, params, num_output_tokens)
-        return (probs / noise).argmax(dim=-1)
+        """One token per row (all rows random): candidate rows and whole-vocabulary rows apart."""
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+        logits = logits / temps.unsqueeze(1)
+        vocab = logits.shape[1]
+        widths = [_candidate_width(p, vocab) for p in params]
+        tokens = torch.empty(len(params), dtype=torch.long, device=dev)
+        full = [i for i, w in enumerate(widths) if w >= vocab]
+        cand = [i for i, w in enumerate(widths) if w < vocab]
+        if cand:
+            rows = torch.tensor(cand, device=dev) if full else None
+            sub = logits if rows is None else logits.index_select(0, rows)
+            picked, fell_back = self._draw_candidates(
+                sub, [params[i] for i in cand], [widths[i] for i in cand], [num_output_tokens[i] for i in cand]
+            )
+            if rows is None:
+                tokens = picked
+            else:
+                tokens[rows] = picked
+            full = sorted(full + [cand[j] for j in fell_back])
+        if full:
+            rows = torch.tensor(full, device=dev)
+            sub = logits.index_select(0, rows)
+            sub_params = [params[i] for i in full]
+            probs = _min_p(self._sorted_filter(sub, sub_params).softmax(dim=-1), sub_params)
+            noise = self._noise(probs.shape, sub_params, [vocab] * len(full), [num_output_tokens[i] for i in full])
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    def _draw_candidates(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], widths: Sequence[int],
+        num_outputs: Sequence[int],
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Rows whose filters keep at most ``widths[i]`` tokens: top-k, then top-p inside it,
+        then min-p, then the race, all on the sorted candidates. Also returns the rows where
+        top-p needs more than the candidates (they must be drawn over the whole vocabulary)."""
+        dev = logits.device
+        width = max(widths)
+        vals, idx = logits.topk(width, dim=-1)  # sorted, best first
+        ranks = torch.arange(width, device=dev).unsqueeze(0)
+        drop = ranks >= torch.tensor(widths, device=dev).unsqueeze(1)
+        has_k = torch.tensor([0 < p.top_k < logits.shape[1] for p in params], device=dev).unsqueeze(1)
+        # top-p is over the top-k renormalized distribution, or over the whole vocabulary.
+        masked = vals.masked_fill(drop, float("-inf"))
+        log_norm = torch.where(has_k, masked.logsumexp(dim=-1, keepdim=True), logits.logsumexp(dim=-1, keepdim=True))
+        probs = (masked - log_norm).exp()  # [rows, width], zero where dropped
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
+        cum = probs.cumsum(dim=-1)
+        # Without top-k, the candidates are exact only if they reach top_p.
+        short = (~has_k[:, 0]) & (cum[:, -1] < top_p[:, 0])
+        drop |= (cum - probs) >= top_p  # keep the smallest prefix reaching top_p
+        drop[:, 0] = False  # the top token always stays
+        probs = _min_p(probs.masked_fill(drop, 0.0), params)
+        noise = self._noise(probs.shape, params, widths, num_outputs)
+        picked = idx.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+        return picked, [int(i) for i in short.nonzero().flatten().tolist()]
+
+    @staticmethod
+    def _sorted_filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Top-p over the whole vocabulary by a full sort: only rows the candidates cannot serve."""
+        if all(p.top_p >= 1.0 for p in params):
+            return logits
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop[:, 0] = False
+        return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf")))
 
     def _apply_penalties(
         self,
@@ -107,41 +182,17 @@ class Sampler:
                 row[ids] -= p.frequency_penalty * counts + p.presence_penalty
         return logits
 
-    def _probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-        logits = logits / temps.unsqueeze(1)
-        vocab = logits.shape[1]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        need_sort = any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params)
-        if need_sort:
-            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-            ks = torch.tensor(top_k, device=dev).unsqueeze(1)
-            ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-            drop = ranks >= ks  # [rows, vocab] in sorted order
-            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
-            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= before >= top_p
-            drop[:, 0] = False
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
-            keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
-            probs = probs * keep
-        return probs
-
-    def _noise(self, shape: torch.Size, params: Sequence[SamplingParams], num_outputs: Sequence[int]) -> torch.Tensor:
+    def _noise(
+        self, shape: torch.Size, params: Sequence[SamplingParams], widths: Sequence[int], num_outputs: Sequence[int]
+    ) -> torch.Tensor:
+        """Exp(1) noise as ``-log U``; a seeded row's first ``widths[i]`` columns come from its
+        own generator (the rest of its row is masked out by the caller)."""
         noise = torch.empty(shape, device=self.device)
-        noise.exponential_(generator=self.generator)
+        noise.uniform_(generator=self.generator)
         for i, p in enumerate(params):
             if p.seed is not None:
-                gen = seeded_generator(p.seed, num_outputs[i], self.device)
-                noise[i].exponential_(generator=gen)
-        return noise
+                noise[i, : widths[i]].uniform_(generator=seeded_generator(p.seed, num_outputs[i], self.device))
+        return noise.log_().neg_()
 
     @staticmethod
     def _logprobs(
@@ -162,3 +213,23 @@ class Sampler:
             top = [TokenLogprob(top_ids[i][j], top_vals[i][j]) for j in range(p.logprobs)] if p.logprobs else []
             out.append(SampleLogprobs(TokenLogprob(int(tokens[i]), sampled[i]), top))
         return out
+
+
+TOP_P_CANDIDATES = 1024  # a top-p row's candidate set; rows whose top 1024 hold < top_p fall back
+
+
+def _candidate_width(p: SamplingParams, vocab: int) -> int:
+    """How many of a row's best tokens its filters can keep (``vocab``: no bound)."""
+    if 0 < p.top_k < vocab:
+        return p.top_k
+    if p.top_p < 1.0:
+        return min(TOP_P_CANDIDATES, vocab)
+    return vocab
+
+
+def _min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Zero the tokens below ``min_p`` times the row's best probability."""
+    if all(p.min_p <= 0.0 for p in params):
+        return probs
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device).unsqueeze(1)
+    return probs * (probs >= min_p * probs.max(dim=-1, keepdim=True).values)

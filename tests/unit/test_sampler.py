@@ -110,3 +110,53 @@ def test_logprobs_are_the_raw_log_softmax_with_sorted_top_n() -> None:
     assert [t.token_id for t in first.top] == ref[0].topk(3).indices.tolist()
     assert first.top[0].logprob >= first.top[1].logprob >= first.top[2].logprob
     assert second.top == [] and second.sampled.token_id == tokens[1] == 16
+
+
+def _allowed(logits: torch.Tensor, p: SamplingParams) -> set[int]:
+    """The tokens a row may draw, by a full sort (the definition the candidate path must meet)."""
+    scaled = logits / p.temperature
+    vals, idx = scaled.sort(descending=True)
+    k = p.top_k if 0 < p.top_k < len(vals) else len(vals)
+    probs = vals[:k].softmax(-1)
+    keep = (probs.cumsum(-1) - probs) < p.top_p
+    keep[0] = True
+    keep &= probs >= p.min_p * probs[0]
+    return set(idx[:k][keep].tolist())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=40),
+    SamplingParams(temperature=1.0, top_p=0.9),  # the best 1024 of 3000 hold 0.9: candidates suffice
+    SamplingParams(temperature=5.0, top_p=0.95),  # nearly flat: needs more than 1024 tokens, falls back
+    SamplingParams(temperature=1.2, top_k=200, top_p=0.8, min_p=0.05),
+], ids=["top_k", "top_p_candidates", "top_p_fallback", "all_filters"])
+def test_filters_keep_exactly_the_sorted_definition_on_a_large_vocabulary(params: SamplingParams) -> None:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 3000, generator=gen) * 3.0
+    allowed = _allowed(logits[0], params)
+    seen: set[int] = set()
+    for seed in range(300):
+        seen.add(run(logits, [params], sampler=Sampler(torch.device("cpu"), seed=seed))[0][0])
+    assert seen <= allowed
+    assert len(seen) > min(len(allowed), 20) // 2  # it samples, it does not collapse on the argmax
+
+
+def test_top_k_with_top_p_draws_from_the_renormalized_distribution() -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (VOCAB - 4))
+    logits = torch.log(probs.clamp_min(1e-30)).unsqueeze(0).repeat(3000, 1)
+    # top-k 3 renormalizes to 4/9, 3/9, 2/9; top-p 0.7 then keeps the first two (4/9 < 0.7 <= 7/9).
+    tokens, _ = run(logits, [SamplingParams(temperature=1.0, top_k=3, top_p=0.7)] * 3000)
+    assert set(tokens) == {0, 1}
+    assert tokens.count(0) / 3000 == pytest.approx(4 / 7, abs=0.04)
+
+
+def test_seeded_rows_ignore_the_other_rows_filters() -> None:
+    # The candidate width of a batch is its widest row's: a seeded row must not see it.
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 3000, generator=gen)
+    seeded = SamplingParams(temperature=1.0, top_k=20, seed=77)
+    alone = run(logits[:1], [seeded])[0][0]
+    for others in ([SamplingParams(top_k=500)], [SamplingParams(top_p=0.5), SamplingParams(temperature=0.0)],
+                   [SamplingParams(temperature=2.0, seed=3)]):
+        tokens, _ = run(logits[: 1 + len(others)], [seeded, *others])
+        assert tokens[0] == alone
