@@ -93,3 +93,21 @@ bench-peers: install
 # Serving overhead: ferry serve vs the offline engine on the same trace, repeats interleaved.
 bench-overhead: install
 	$(PY) -m loadtests.overhead --repeats 3 --out results/bench-overhead
+
+# The GPU device check (tests/device/run.sh; docs/benchmarks.md): on a machine with one NVIDIA
+# GPU and no network, after `make device-wheels` here. DEVICE_OUT gets results.json + report.md.
+.PHONY: device-check device-dry-run device-wheels
+DEVICE_OUT ?= results/device-check
+device-check:
+	tests/device/run.sh $(DEVICE_OUT)
+
+# Every stage of the device check at tiny shapes on this CPU (Triton's interpreter; minutes).
+device-dry-run: install
+	tests/device/run.sh results/device-dry-run --cpu-dry-run
+
+# Wheels the GPU image lacks (CPython 3.12, manylinux x86_64) and the SmolLM2 tokenizer, into
+# the git-ignored .whl/ that travels with the tree (about 15 MB).
+device-wheels: install
+	PIP="$(PY) -m pip" tests/device/wheels.sh
+	$(PY) -c "import shutil; from shared.models import resolve_model, tokenizer_dir; \
+	shutil.copytree(tokenizer_dir(resolve_model('smollm2-135m-instruct')), '.whl/smollm2-tokenizer', dirs_exist_ok=True)"

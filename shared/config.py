@@ -124,6 +124,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     attention_backend: str = "auto"
     """Paged attention implementation: 'auto' (the fastest correct one for the device) or a
     registered name ('reference', ...; docs/worker.md lists them)."""
+    enforce_eager: bool = False
+    """On a GPU: never capture CUDA graphs; every step runs eagerly (vLLM's name)."""
     quantization: str = "none"
     """'none' or 'int8' (dynamic int8 weights for the linear layers, CPU only; docs/worker.md)."""
 

@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.capacity import gpu_kv_budget_bytes
@@ -32,9 +33,11 @@ from shared.models import resolve_model, tokenizer_dir
 
 from . import tensor_parallel
 from .attention import StepAttention
-from .backends import select_backend
+from .backends import PagedBatch, select_backend
 from .backends.build import build_paged_batch
 from .batch import BatchState, RequestState
+from .cuda_graphs import graph_batch_sizes, graph_memory_estimate, setup_decode_graphs
+from .cuda_staging import StepStaging
 from .kv_cache import KVCache, num_blocks_for_budget
 from .loader import load_model
 from .logits_processors import ConstraintTracker
@@ -57,6 +60,7 @@ class PackedInputs:
     attention: StepAttention
     sample_states: list[RequestState]
     sample_token_idx: torch.Tensor  # [num_sampling] index of each sampling row's last token
+    batch: PagedBatch  # the step's attention work (on the device)
 
 
 class ModelRunner:
@@ -104,24 +108,41 @@ class ModelRunner:
             eos_token_ids=eos)
         if self.tp:  # rank 0 alone applies the LM head and samples; the others receive its tokens
             self.lm_head, self.sampler = self.tp.wrap(self.lm_head, self.sampler)
+        # CUDA: the step's metadata goes over in one pinned copy, and decode-only steps replay graphs.
+        self.staging = StepStaging(self.device) if self.device.type == "cuda" else None
+        self.graphs = setup_decode_graphs(self.device, config.enforce_eager, self.attn_backend, self.body,
+                                          self.lm_head, self.kv.caches, config.max_num_seqs, self.max_model_len,
+                                          self.block_size)
 
     def _kv_budget(self, config_dict: dict) -> int:
         if self.device.type != "cuda":
             return self.config.kv_cache_memory
-        # GPU: what gpu_memory_utilization leaves after the weights and a profiled activation peak.
+        # GPU: what gpu_memory_utilization leaves after the weights, a profiled activation peak,
+        # the memory outside PyTorch's allocator (CUDA context, cuBLAS, Triton modules; also any
+        # other process on the device: conservative) and what the decode graphs will hold.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(config_dict)
         peak = torch.cuda.max_memory_allocated(self.device)  # weights + the profiled activations
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = gpu_kv_budget_bytes(
-            total, self.config.gpu_memory_utilization, self.weight_bytes, max(0, peak - self.weight_bytes)
-        )
-        log.info("cuda: total %d, weights+activation peak %d, KV budget %d bytes", total, peak, budget)
+        activations = max(0, peak - self.weight_bytes)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        graphs = 0
+        if not self.config.enforce_eager:
+            graphs = graph_memory_estimate(graph_batch_sizes(self.config.max_num_seqs), self.vocab_size,
+                                           self.dtype.itemsize, activations, self._profile_tokens())
+        budget = gpu_kv_budget_bytes(total, self.config.gpu_memory_utilization, self.weight_bytes, activations,
+                                     runtime_overhead_bytes=non_torch + graphs)
+        log.info("cuda: total %d, weights %d, activation peak %d, outside torch %d, graphs ~%d: KV budget %d bytes",
+                 total, self.weight_bytes, activations, non_torch, graphs, budget)
         return budget
+
+    def _profile_tokens(self) -> int:
+        return min(self.config.max_num_batched_tokens, self.max_model_len)
 
     def _profile_run(self, config_dict: dict) -> None:
         """A forward at the step token budget with a one-block scratch cache, for the activation peak."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        n = self._profile_tokens()
         blocks = -(-n // self.block_size)
         scratch = KVCache.allocate(config_dict, blocks, self.block_size, self.dtype, self.config.device)
         ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
@@ -132,7 +153,8 @@ class ModelRunner:
         pos = torch.from_numpy(positions).to(self.device).unsqueeze(0)
         with torch.inference_mode():
             hidden = self.body(input_ids=ids, position_ids=pos, use_cache=False, ferry_meta=step).last_hidden_state
-            self.lm_head(hidden[0, -min(n, self.config.max_num_seqs) :])
+            # The sampler's float32 copy and log-softmax of the logits are part of the peak too.
+            self.lm_head(hidden[0, -min(n, self.config.max_num_seqs) :]).float().log_softmax(-1)
         del scratch
         torch.cuda.synchronize(self.device)
 
@@ -144,14 +166,19 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, rank=self.config.rank)
         t0 = time.perf_counter()
         packed = self._pack(plan)
+        bucket = self.graphs.bucket_for(packed.batch) if self.graphs is not None else None
         with torch.inference_mode():
-            out = self.body(
-                input_ids=packed.input_ids, position_ids=packed.positions, use_cache=False, ferry_meta=packed.attention
-            )
             logits = None
-            if packed.sample_states:
-                hidden = out.last_hidden_state[0].index_select(0, packed.sample_token_idx)
-                logits = self.lm_head(hidden)  # [num_sampling, vocab]
+            if bucket is not None and self.graphs is not None:  # decode-only: replay, keep sampling rows
+                all_logits = self.graphs.run(bucket, packed.input_ids, packed.positions, packed.batch)
+                if packed.sample_states:
+                    logits = all_logits.index_select(0, packed.sample_token_idx)
+            else:
+                out = self.body(input_ids=packed.input_ids, position_ids=packed.positions, use_cache=False,
+                                ferry_meta=packed.attention)
+                if packed.sample_states:
+                    hidden = out.last_hidden_state[0].index_select(0, packed.sample_token_idx)
+                    logits = self.lm_head(hidden)  # [num_sampling, vocab]
         t1 = time.perf_counter()
         for req_id, num in plan.num_scheduled_tokens.items():
             self.batch.requests[req_id].num_computed_tokens += num
@@ -212,16 +239,26 @@ class ModelRunner:
                 sample_states.append(state)
                 sample_idx.append(len(ids) - 1)
         dev = self.device
-        batch, positions = build_paged_batch(query_lens, seq_lens, block_ids, self.block_size,
-                                             self.max_model_len, dev)
+        if self.staging is not None:  # built on the host, shipped in one pinned non-blocking copy
+            host_batch, positions = build_paged_batch(query_lens, seq_lens, block_ids, self.block_size,
+                                                      self.max_model_len, torch.device("cpu"))
+            batch, (input_ids, pos_t, sample_t) = self.staging.stage_batch(
+                host_batch, [np.array([ids], dtype=np.int64), positions[None], np.array(sample_idx, dtype=np.int64)])
+        else:
+            batch, positions = build_paged_batch(query_lens, seq_lens, block_ids, self.block_size,
+                                                 self.max_model_len, dev)
+            input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+            pos_t = torch.from_numpy(positions).to(dev).unsqueeze(0)
+            sample_t = torch.tensor(sample_idx, dtype=torch.long, device=dev)
         step = StepAttention(self.attn_backend, self.attn_backend.prepare(batch), self.kv.caches,
                              self.max_model_len)
         return PackedInputs(
-            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev).unsqueeze(0),
+            input_ids=input_ids,
+            positions=pos_t,
             attention=step,
             sample_states=sample_states,
-            sample_token_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
+            sample_token_idx=sample_t,
+            batch=batch,
         )
 
 

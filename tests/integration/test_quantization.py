@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from services.engine.offline import LLM, GenerationParams
 
+from services.engine.offline import LLM, GenerationParams
 from services.worker.quantize import packed_weight_bytes
 from tests.conftest import cached_tiny_model
 

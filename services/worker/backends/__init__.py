@@ -123,3 +123,8 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 
 # The built-in backends register themselves on import (after the registry above exists).
 from . import cpu_paged, reference  # noqa: E402,F401
+
+try:  # the CUDA kernels: triton ships with PyTorch's CUDA builds (on CPU: the dev extra, for the tests)
+    from . import triton_backend  # noqa: E402,F401
+except ImportError:
+    pass
