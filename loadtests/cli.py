@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("file", type=Path)
     exp.add_argument("--out", type=Path, default=None, help="output folder (default: results/bench/<file stem>)")
     exp.add_argument("--quiet", action="store_true")
+    exp.add_argument("--decide-only", action="store_true",
+                     help="start no server: re-read OUT/results.json and rewrite the decision records and the board "
+                          "(after changing a pass condition or the [noise] rule)")
     gen = sub.add_parser("generate", help="write a scenario's trace file", formatter_class=DefaultsHelpFormatter)
     _add_traffic_args(gen)
     gen.add_argument("--out", type=Path, required=True, help="trace file to write (.jsonl)")
@@ -190,11 +193,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _experiment(args: argparse.Namespace, command: list[str]) -> int:
     from loadtests.experiment import load_experiment
-    from loadtests.experiment_run import run_experiment
+    from loadtests.experiment_run import redecide, run_experiment
 
     experiment = load_experiment(args.file)
     out = args.out or Path("results") / "bench" / args.file.stem
-    results = run_experiment(experiment, out, args.quiet, command, _log(args.quiet))
+    if args.decide_only:
+        results = redecide(experiment, out)
+    else:
+        results = run_experiment(experiment, out, args.quiet, command, _log(args.quiet))
     for decision in results["decisions"]:
         print(f"{decision['variant']}: {decision['verdict']}")
     print(f"board: {out / 'board.md'}")

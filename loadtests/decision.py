@@ -55,8 +55,8 @@ def decide(experiment: Experiment, variant: Variant, baseline_results: list[dict
            variant_result: dict[str, Any], input_set: dict[str, Any]) -> dict[str, Any]:
     """One decision record for ``variant`` against every run of the baseline."""
     rate = experiment.decision_rate
-    base_runs = [measures(b, rate) for b in baseline_results]
-    mine = measures(variant_result, rate)
+    base_runs = [_priced(measures(b, rate), experiment) for b in baseline_results]
+    mine = _priced(measures(variant_result, rate), experiment)
     verdict, noise = noisy_verdict(variant.pass_condition, mine, base_runs, experiment.noise_floor)
     keys = list(OUTCOME_KEYS) + [k for k in condition_names(variant.pass_condition) if k not in OUTCOME_KEYS]
     mean = {k: noise.get(k, {}).get("mean") for k in keys}
@@ -85,6 +85,15 @@ def decide(experiment: Experiment, variant: Variant, baseline_results: list[dict
     if verdict.startswith("no decision"):
         record["to_settle"] = _to_settle(variant.pass_condition, outcome, len(base_runs))
     return record
+
+
+def _priced(summary: dict[str, Any], experiment: Experiment) -> dict[str, Any]:
+    """With a price set, a run that accepted no answer cost infinitely much per accepted answer:
+    that is a decided 'worse', not a measure the server failed to give."""
+    if (experiment.cost.price_per_gpu_hour is not None and summary.get("cost_per_accepted") is None
+            and summary.get("accepted") == 0):
+        summary["cost_per_accepted"] = float("inf")
+    return summary
 
 
 def _float(value: Any) -> float | None:

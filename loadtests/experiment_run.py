@@ -52,12 +52,40 @@ def run_experiment(experiment: Experiment, out_dir: Path, quiet: bool, command: 
                                       experiment.server.args, trace)
         results["configs"].append(entry)
         write_results(results, out_dir)  # partial results survive a later failure
+    results["decisions"] = decide_all(experiment, results, input_set)
+    write_results(results, out_dir)
+    return results
+
+
+def redecide(experiment: Experiment, out_dir: Path) -> dict[str, Any]:
+    """The decision records again from a finished run's results.json (no server started)."""
+    import json
+
+    path = out_dir / "results.json"
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot re-decide without the run's results ({exc})") from exc
+    for key in ("tool", "results_version"):
+        results.pop(key, None)
+    old = results.get("decisions") or [{}]
+    input_set: dict[str, Any] = next((d["input_set"] for d in old if isinstance(d.get("input_set"), dict)), {})
+    results["decisions"] = decide_all(experiment, results, input_set)
+    write_results(results, out_dir)
+    return results
+
+
+def decide_all(experiment: Experiment, results: dict[str, Any], input_set: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per variant against every baseline run that started."""
+    decisions: list[dict[str, Any]] = []
     baselines = [c for c in results["configs"] if c["name"].startswith("baseline") and not c.get("error")]
     by_name = {c["name"]: c for c in results["configs"]}
     for variant in experiment.variants:
-        entry = by_name[variant.name]
+        entry = by_name.get(variant.name)
+        if entry is None:
+            continue  # not run (yet)
         if entry.get("error"):
-            results["decisions"].append({
+            decisions.append({
                 "variant": variant.name, "hypothesis": variant.hypothesis,
                 "changed_parameter": f"{variant.knob} -> {variant.value}", "input_set": input_set,
                 "pass_condition": variant.pass_condition, "measured_outcome": entry["error"],
@@ -65,10 +93,9 @@ def run_experiment(experiment: Experiment, out_dir: Path, quiet: bool, command: 
             })
             continue
         record = decide(experiment, variant, baselines, entry, input_set)
-        record["memory"] = {c["name"]: c["memory"] for c in (*baselines, entry)}
-        results["decisions"].append(record)
-    write_results(results, out_dir)
-    return results
+        record["memory"] = {c["name"]: c["memory"] for c in (*baselines, entry) if "memory" in c}
+        decisions.append(record)
+    return decisions
 
 
 def _prepare(experiment: Experiment, out_dir: Path) -> tuple[Trace, BenchJob]:

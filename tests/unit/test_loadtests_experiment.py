@@ -158,3 +158,36 @@ def test_baseline_repeats_interleave_with_the_variants(tmp_path: Path) -> None:
         load_experiment(write(tmp_path, MINIMAL + "\n[noise]\nbaseline_repeats = 1\n"))
     with pytest.raises(ExperimentError, match="floor"):
         load_experiment(write(tmp_path, MINIMAL + "\n[noise]\nfloor = 1.5\n"))
+
+
+def test_a_run_with_no_accepted_answer_costs_infinitely_much(tmp_path: Path) -> None:
+    text = MINIMAL.replace('pass = "ttft_p95_ms <= baseline.ttft_p95_ms"', 'pass = "cost_per_accepted <= baseline.cost_per_accepted"')
+    experiment = load_experiment(write(tmp_path, text + "\n[cost]\nprice_per_gpu_hour = 2.0\n"))
+
+    def config(cost: float | None, accepted: int) -> dict:
+        runs = [{"rate": r, "slo_violations": [], "summary": {"cost_per_accepted": cost, "accepted": accepted}}
+                for r in (1.0, 2.0)]
+        return {"name": "c", "runs": runs, "sweep": {"max_rate_meeting_slo": None}}
+
+    record = decide(experiment, experiment.variants[0], [config(0.001, 10), config(0.0011, 9)], config(None, 0), {})
+    assert record["verdict"] == "worse"
+    assert record["measured_outcome"]["call"]["cost_per_accepted"] == "worse"
+
+
+def test_decide_only_rewrites_the_records_from_results_json(tmp_path: Path) -> None:
+    import json
+
+    from loadtests.experiment_run import redecide
+
+    experiment = load_experiment(write(tmp_path, MINIMAL))
+    configs = [_config("baseline", 100.0, 2.0), _config("v", 80.0, 2.0), _config("baseline (repeat 2)", 104.0, 2.0)]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"meta": {"title": "t", "trace": {}}, "configs": configs,
+                                                  "decisions": [{"input_set": {"trace_sha256": "x"}}]}))
+    results = redecide(experiment, out)
+    assert [d["verdict"] for d in results["decisions"]] == ["better"]
+    assert results["decisions"][0]["input_set"] == {"trace_sha256": "x"}
+    assert "verdict**: better" in (out / "decision-v.md").read_text()
+    with pytest.raises(ValueError, match="cannot re-decide"):
+        redecide(experiment, tmp_path / "missing")
