@@ -202,6 +202,11 @@ def test_logit_bias_and_allowed_token_ids_on_the_wire(client: openai.OpenAI, clu
     ({"allowed_token_ids": [10 ** 6]}, "outside the vocabulary"),
 ])
 def test_bad_constraints_are_400_before_any_work(cluster: ServeProcess, body: dict[str, Any], needle: str) -> None:
+    # An earlier test's requests may still be finishing (a client-closed stream): start from an idle engine,
+    # so the counter below can only move because of this request.
+    wait_for(lambda: read_metrics(cluster.base_url).get("ferry:num_requests_running", 1.0) == 0.0
+             and read_metrics(cluster.base_url).get("ferry:num_requests_waiting", 1.0) == 0.0, 60,
+             what="an idle engine")
     before = read_metrics(cluster.base_url).get("ferry:prompt_tokens_total", 0.0)
     r = httpx.post(f"{cluster.base_url}/v1/chat/completions", trust_env=False, timeout=30,
                    json={"model": cluster.model, "messages": USER, "max_tokens": 4, **body})

@@ -26,6 +26,7 @@ multi-token chunks (prefill, chunked prefill, or recompute after preemption):
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -92,8 +93,10 @@ def register_backend(name: str, factory: BackendFactory, device_types: tuple[str
     if auto_rank is not None:
         for dev in device_types:
             order = _AUTO_ORDER.setdefault(dev, [])
-            order.append(f"{auto_rank:04d}:{name}")
-            order.sort()
+            entry = f"{auto_rank:04d}:{name}"
+            if entry not in order:  # a module registering again (a lazy stub, then the real one)
+                order.append(entry)
+                order.sort()
 
 
 def available_backends(device_type: str | None = None) -> list[str]:
@@ -124,7 +127,16 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 # The built-in backends register themselves on import (after the registry above exists).
 from . import cpu_paged, reference  # noqa: E402,F401
 
-try:  # the CUDA kernels: triton ships with PyTorch's CUDA builds (on CPU: the dev extra, for the tests)
-    from . import triton_backend  # noqa: E402,F401
-except ImportError:
-    pass
+
+def _triton(device: torch.device) -> AttentionBackend:
+    """The CUDA kernels, imported on first use: Triton ships with PyTorch's CUDA builds (on a CPU
+    only as the dev extra, for the tests), and whether its kernels compile or run interpreted is
+    decided when they are defined, so nothing may import them before a test switches the
+    interpreter on."""
+    from .triton_backend import _make
+
+    return _make(device)
+
+
+if importlib.util.find_spec("triton") is not None:
+    register_backend("triton", _triton, ("cuda",), auto_rank=0)
