@@ -11,7 +11,8 @@ count:
   not yet completed a step, no other suspect leaves the waiting queue (the queue
   head waits, so order is kept). A suspect that completes a step is cleared;
 - a request present at ``max_request_crashes`` consecutive crashes (counted while
-  it stays a suspect) is ended with finish reason ``error`` and a message naming
+  it stays a suspect, and only for crashes that follow a plan it was in: a rank that
+  dies while the engine is still restarting is the same outage) is ended with finish reason ``error`` and a message naming
   the cause, which the gateway answers as a 500; every other request continues.
 
 Isolation is what makes the count mean something: without it an innocent request
@@ -29,6 +30,10 @@ class CrashSuspects:
     def __init__(self, max_request_crashes: int) -> None:
         self.max_request_crashes = max_request_crashes  # 0: never end a request for this
         self.counts: dict[str, int] = {}  # req_id -> consecutive crashes it was present at
+        # Whether a plan went out since the last crash. A rank that dies while its group restarts
+        # (tensor parallel), before any plan went out, is the same outage as the crash that
+        # started it, not a second crash of the requests it held.
+        self.dispatched = True
 
     def __bool__(self) -> bool:
         return bool(self.counts)
@@ -38,7 +43,9 @@ class CrashSuspects:
         if self.max_request_crashes <= 0:
             return []
         ended = []
-        for req_id in present:
+        blamed = list(present) if self.dispatched else []
+        self.dispatched = False
+        for req_id in blamed:
             n = self.counts.get(req_id, 0) + 1
             if n >= self.max_request_crashes:
                 ended.append(req_id)
@@ -46,6 +53,10 @@ class CrashSuspects:
             else:
                 self.counts[req_id] = n
         return ended
+
+    def on_dispatch(self) -> None:
+        """A plan with scheduled tokens went out."""
+        self.dispatched = True
 
     def may_admit(self, req_id: str, running: Iterable[str]) -> bool:
         """A suspect runs alone among suspects: not while another one is on probation."""

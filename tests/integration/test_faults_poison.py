@@ -133,7 +133,9 @@ def test_ferry_serve_ends_the_poison_request_with_a_500_and_serves_the_others(
         prompts: list[Any] = ["A calm story:", "Another one:", [1, 2, SERVE_POISON, 3], "A third:"]
         calm = {i: _post(serve, {**base, "prompt": p}) for i, p in enumerate(prompts) if i != 2}
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            futures = [pool.submit(_post, serve, {**base, "prompt": p}) for p in prompts]
+            # A request that reaches the gateway while the crashed worker restarts is refused with
+            # 503 + Retry-After (the engine is not ready); a client retries it, as these do.
+            futures = [pool.submit(_post_retrying, serve, {**base, "prompt": p}) for p in prompts]
             results = [f.result(timeout=300) for f in futures]
         status, body = results[2]
         assert status == 500, body
@@ -146,6 +148,15 @@ def test_ferry_serve_ends_the_poison_request_with_a_500_and_serves_the_others(
         assert "injected fault" in serve.log()
     finally:
         serve.kill()
+
+
+def _post_retrying(serve: ServeProcess, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    for _ in range(60):
+        status, answer = _post(serve, body)
+        if status != 503 or answer["error"]["code"] != "scheduler_unavailable":
+            return status, answer
+        time.sleep(1.0)
+    return status, answer
 
 
 def _post(serve: ServeProcess, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
