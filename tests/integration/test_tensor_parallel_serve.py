@@ -35,7 +35,11 @@ MAX_TOKENS = 300  # long enough that the kill lands mid-stream
 
 @pytest.fixture(scope="module")
 def serve(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    proc = ServeProcess(tiny_model_dir, tmp_path_factory.mktemp("tp"), ["--tensor-parallel-size", "2"]).start()
+    # Poison isolation off: a TP group restart can show the scheduler two rank deaths around one plan,
+    # which the poison rule would count as two crashes of the same requests (a known limit, see
+    # docs/operations.md); this test is about recovery, test_faults_poison about the rule.
+    proc = ServeProcess(tiny_model_dir, tmp_path_factory.mktemp("tp"),
+                        ["--tensor-parallel-size", "2", "--max-request-crashes", "0"]).start()
     try:
         proc.wait_ready()
         yield proc
