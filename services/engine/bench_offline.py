@@ -288,10 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     limit = None
     if args.gemm_limit:
+        from services.worker.loader import model_dir
         from shared.models import resolve_model
 
         from .bench_profile import gemm_limit
-        from .loader import model_dir
 
         config = json.loads((model_dir(resolve_model(args.model)) / "config.json").read_text())
         limit = gemm_limit(config, work.num_prompt_tokens, work.num_output_tokens, len(work.prompts), ["float32", "bfloat16"],

@@ -136,3 +136,24 @@ def _check_backend(backend_name: str, heads: tuple[int, int], spec: list[tuple[i
         torch.testing.assert_close(v_cache.view(-1, num_kv_heads, head_dim)[slots], data["value"])
     torch.testing.assert_close(results[backend_name], results["reference"], rtol=1e-5, atol=1e-5)
     assert np.array_equal(data["positions"][: batch.num_decodes], np.array([c - 1 for _, c in spec[: batch.num_decodes]]))
+
+
+@pytest.mark.parametrize("backend_name", available_backends("cpu"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (128, (8, 1)), (256, (4, 2))])
+def test_backend_in_half_precision(backend_name: str, dtype: torch.dtype, head_dim: int,
+                                   heads: tuple[int, int]) -> None:
+    """bfloat16/float16 caches (the AVX-512 path widens them to float32): still the dense result."""
+    spec = [(1, 8), (1, 13), (1, 37), (1, 1), (7, 7), (3, 11)]
+    data = _setup(spec, heads[0], heads[1], head_dim + heads[0], head_dim)
+    scale = head_dim**-0.5
+    query, key, value = (data[n].to(dtype) for n in ("query", "key", "value"))
+    # The dense reference sees exactly the rounded values the backend reads.
+    contexts = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in data["contexts"]]
+    expected = _dense(spec, query.float(), contexts, scale)
+    backend = select_backend(backend_name, torch.device("cpu"))
+    k_cache, v_cache = data["k_cache"].to(dtype), data["v_cache"].to(dtype)
+    out = backend.forward(0, query, key, value, k_cache, v_cache, backend.prepare(data["batch"]), scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)

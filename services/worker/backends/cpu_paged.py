@@ -60,7 +60,7 @@ def load_extension() -> Any:
     t0 = time.monotonic()
     module = load_inline(
         name=f"ferry_paged_decode_{key}", cpp_sources=[source], functions=["paged_decode"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False,
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
     )
     log.info("cpu_paged decode kernel ready in %.1fs", time.monotonic() - t0)
     return module
@@ -116,5 +116,18 @@ class CpuPagedBackend(ReferenceBackend):
         return out
 
 
-# Not auto: end to end on the common load it was slower than the reference (docs/benchmarks.md).
-register_backend("cpu_paged", CpuPagedBackend, ("cpu",), auto_rank=None)
+# auto on the CPU: the fastest measured there (docs/benchmarks.md, "CPU worker speed"); without a compiler auto takes the reference.
+register_backend("cpu_paged", CpuPagedBackend, ("cpu",), auto_rank=0)
+
+
+
+def prebuild() -> None:
+    """``make kernels``: build the kernel ahead of the first worker start (never fails)."""
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        load_extension()
+    except Exception as exc:  # noqa: BLE001 - report, never fail an install over an optional kernel
+        print(f"cpu_paged kernel not built ({exc}); workers on the CPU will use the reference backend",
+              file=sys.stderr)

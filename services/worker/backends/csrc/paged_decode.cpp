@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 // HEAD_DIM > 0: a compile-time head size (the inner loops unroll fully); 0: head_dim at run time.
@@ -85,6 +86,109 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t*
   });
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// AVX-512 path: head_dim a multiple of 16, keys/values widened to float32 sixteen at a time,
+// the softmax's exponentials computed sixteen at a time (2^x by a degree-7 polynomial and scalef).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for x <= 0 (scores minus their max); relative error ~1e-7.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // |f| <= ln2/2
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename scalar_t, int64_t NV>  // NV = head_dim / 16
+static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
+                                 const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, double scale) {
+  constexpr int64_t HD = NV * 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * HD;
+  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qv(group * NV), acc(group * NV);
+    std::vector<float> scores, maxes(group), tmp(HD);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = lens[n];
+      const int64_t padded = (len + 15) / 16 * 16;
+      const int32_t* table = bt + n * max_blocks;
+      const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t v = 0; v < NV; ++v)
+          qv[g * NV + v] = _mm512_mul_ps(load16(q + (n * num_heads + kvh * group + g) * HD + v * 16), sc);
+      scores.assign(group * padded, -INFINITY);
+      std::fill(maxes.begin(), maxes.end(), -INFINITY);
+      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+        const scalar_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * HD;
+        const int64_t n_in = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n_in; ++j) {
+          const scalar_t* kp = base + j * token_stride;
+          __m512 kv[NV];
+          for (int64_t v = 0; v < NV; ++v) kv[v] = load16(kp + v * 16);
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 d = _mm512_mul_ps(qv[g * NV], kv[0]);
+            for (int64_t v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[g * NV + v], kv[v], d);
+            const float s = _mm512_reduce_add_ps(d);
+            scores[g * padded + t0 + j] = s;
+            maxes[g] = std::max(maxes[g], s);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * padded;
+        const __m512 mx = _mm512_set1_ps(maxes[g]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 16) {  // the padding holds -inf: exp gives 0
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
+          _mm512_storeu_ps(s + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+      }
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+        const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * HD;
+        const int64_t n_in = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n_in; ++j) {
+          const scalar_t* vp = base + j * token_stride;
+          __m512 vv[NV];
+          for (int64_t v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16);
+          for (int64_t g = 0; g < group; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * padded + t0 + j]);
+            for (int64_t v = 0; v < NV; ++v) acc[g * NV + v] = _mm512_fmadd_ps(p, vv[v], acc[g * NV + v]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(tmp.data() + v * 16, acc[g * NV + v]);
+        scalar_t* o = out + (n * num_heads + kvh * group + g) * HD;
+        for (int64_t d = 0; d < HD; ++d) o[d] = static_cast<scalar_t>(tmp[d]);
+      }
+    }
+  });
+}
+#endif
+
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
@@ -101,6 +205,18 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
              block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
              num_heads, num_kv_heads, head_dim, block_size, block_table.size(1), scale);
     };
+#if defined(__AVX512F__)
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+    auto run_vec = [&](auto kernel) {
+      kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+             block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
+             num_heads, num_kv_heads, block_size, block_table.size(1), scale);
+    };
+    if (head_dim == 64) return run_vec(decode_kernel_avx512<scalar_t, 4>);
+    if (head_dim == 128) return run_vec(decode_kernel_avx512<scalar_t, 8>);
+    if (head_dim == 256) return run_vec(decode_kernel_avx512<scalar_t, 16>);
+    }
+#endif
     if (head_dim == 64) run(decode_kernel<scalar_t, 64>);
     else if (head_dim == 128) run(decode_kernel<scalar_t, 128>);
     else run(decode_kernel<scalar_t, 0>);
