@@ -170,6 +170,10 @@ class EnginePool:
             self.routed.labels(self.metrics.model_name, name, outcome)
         return member
 
+    def engine_views(self) -> list[tuple[str, GatewayMetrics]]:
+        """(name, metrics view) of every engine, for the dashboard's totals and request tables."""
+        return [(m.name, m.metrics) for m in self.members.values()]
+
     async def start(self) -> None:
         for member in list(self.members.values()):
             await member.client.start()
