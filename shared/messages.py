@@ -262,6 +262,7 @@ class StepPlan(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
     reason: str = ""
     rank: int | None = None  # None: every rank; else only that rank exits (to be restarted)
+    pid: int = 0  # with ``rank``: only that process (0: any); a restarted rank's new process stays
 
 
 # ---------------------------------------------------------------------------
@@ -282,6 +283,7 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     dtype: str = ""  # resolved weight dtype ("auto" never appears here)
     device: str = ""
     num_threads: int = 0  # torch intra-op threads
+    tensor_parallel_size: int = 1  # >1: the ranks are shards that fail and restart as one group
 
 
 class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -149,7 +149,8 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
     app.include_router(serving_router)
     app.include_router(misc)
     app.include_router(make_dashboard_router(
-        st.metrics, lambda: {"health": st.health(), "config": st.effective_config()}))
+        st.metrics, lambda: {"health": st.health(), "config": st.effective_config()},
+        engines=st.engine.engine_views))
     admin_key = static_admin_check(config.admin_key)
 
     async def is_admin(key: str) -> bool:

@@ -18,8 +18,10 @@ Routing (services/gateway/routing.py) picks one engine per HTTP request (all its
 choices together, so ``n`` > 1 shares the prompt's cached blocks). When an engine
 goes away, every one of its requests that has not produced a token yet is sent
 again to another engine (same request id: the client sees a delay, not an
-error); requests that already streamed tokens end with the client's retryable
-error (503 + Retry-After, from ``EngineFailure``). A draining engine's
+error); requests that already streamed tokens are held and resumed on their engine
+when its scheduler is back (resume.py), and end with the client's retryable error
+(503 + Retry-After, from ``EngineFailure``) only when it is not back in time or
+leaves the pool first. A draining engine's
 ``shutting_down`` refusal and a full queue's ``queue_full`` are re-routed the same
 way (to an engine not tried yet; the refusal stands when there is none).
 
@@ -169,6 +171,10 @@ class EnginePool:
         for outcome in ("routed", "rerouted"):
             self.routed.labels(self.metrics.model_name, name, outcome)
         return member
+
+    def engine_views(self) -> list[tuple[str, GatewayMetrics]]:
+        """(name, metrics view) of every engine, for the dashboard's totals and request tables."""
+        return [(m.name, m.metrics) for m in self.members.values()]
 
     async def start(self) -> None:
         for member in list(self.members.values()):
@@ -405,6 +411,7 @@ class EnginePool:
                 "prefix_cache_hit_rate": (round(s.prefix_cache_hits_total / s.prefix_cache_queries_total, 4)
                                           if s and s.prefix_cache_queries_total else None),
                 "routed_total": m.routed_total,
+                "incarnation": m.client.incarnation or None,  # changes when the engine's scheduler restarts
             })
         return rows
 

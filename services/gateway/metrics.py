@@ -113,6 +113,11 @@ class GatewayMetrics:
             lambda: dict(self.last_stats.config) if self.last_stats is not None else {},
         ))
 
+    @property
+    def engine_name(self) -> str:
+        """The ``engine`` label this view's engine-side series carry."""
+        return self._base["engine"]
+
     def set_component_source(self, source: ComponentSource) -> None:
         """Where ``ferry:component_up`` reads (component, healthy) pairs at each scrape."""
         self._components = source

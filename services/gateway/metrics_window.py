@@ -54,20 +54,29 @@ def percentile(values: list[float], q: float) -> float | None:
 STEP_SHARE_PHASES = ("forward", "sample", "idle", "schedule")
 
 
-def _step_split(first: EngineSample, last: EngineSample) -> dict[str, float | None]:
-    """Mean step cycle, tokens per step and each phase's share of the cycle between two samples.
+def _step_split(spans: list[tuple[EngineSample, EngineSample]]) -> dict[str, float | None]:
+    """Mean step cycle, tokens per step and each phase's share of the cycle between the first
+    and last sample of each engine (several engines: over all their steps together).
 
     forward + sample + idle make up the cycle; schedule is part of idle unless it
     overlaps the forward (async scheduling), so its share is reported beside them."""
-    steps = last.steps_total - first.steps_total
-    a, b = first.step_phase_seconds_total or {}, last.step_phase_seconds_total or {}
-    spent = {p: b.get(p, 0.0) - a.get(p, 0.0) for p in STEP_SHARE_PHASES}
+    steps, tokens = 0, 0
+    spent = dict.fromkeys(STEP_SHARE_PHASES, 0.0)
+    for first, last in spans:
+        a, b = first.step_phase_seconds_total or {}, last.step_phase_seconds_total or {}
+        mine = {p: b.get(p, 0.0) - a.get(p, 0.0) for p in STEP_SHARE_PHASES}
+        if last.steps_total < first.steps_total or any(v < 0 for v in mine.values()):
+            continue  # a scheduler restart reset this engine's totals
+        steps += last.steps_total - first.steps_total
+        tokens += last.step_tokens_total - first.step_tokens_total
+        for p, v in mine.items():
+            spent[p] += v
     cycle = spent["forward"] + spent["sample"] + spent["idle"]
-    if steps <= 0 or cycle <= 0 or any(v < 0 for v in spent.values()):
-        return {}  # no steps in the window, or a scheduler restart reset its totals
+    if steps <= 0 or cycle <= 0:
+        return {}  # no steps in the window
     out: dict[str, float | None] = {
         "step_mean_s": cycle / steps,
-        "tokens_per_step": (last.step_tokens_total - first.step_tokens_total) / steps,
+        "tokens_per_step": tokens / steps,
     }
     for phase, seconds in spent.items():
         out[f"step_{phase}_share"] = seconds / cycle
@@ -134,7 +143,6 @@ class LiveWindow:
         queues = [f.queue_s for f in finished if f.queue_s is not None]
         e2es = [f.e2e_s for f in finished]
         rejected = sum(1 for t in self._rejected if t >= start)
-        engine = [s for s in self._engine if s.time >= start]
         # Rates over the span actually observed, so a fresh gateway does not
         # under-report by dividing a few seconds of traffic by a full minute.
         span = min(self.window_s, max(now - self._first_seen(), 1.0))
@@ -149,27 +157,14 @@ class LiveWindow:
             "queue_p95_s": percentile(queues, 95),
             "e2e_p50_s": percentile(e2es, 50),
             "e2e_p95_s": percentile(e2es, 95),
-            "generation_tokens_per_s": 0.0,
-            "prompt_tokens_per_s": 0.0,
-            "preemptions_per_s": 0.0,
-            "step_mean_s": None,
-            "tokens_per_step": None,
-            **{f"step_{phase}_share": None for phase in STEP_SHARE_PHASES},
+            **engine_rates([self], now),
         }
-        if len(engine) >= 2:
-            first, last = engine[0], engine[-1]
-            engine_span = last.time - first.time
-            out["generation_tokens_per_s"] = _counter_rate(
-                first.generation_tokens_total, last.generation_tokens_total, engine_span
-            )
-            out["prompt_tokens_per_s"] = _counter_rate(
-                first.prompt_tokens_total, last.prompt_tokens_total, engine_span
-            )
-            out["preemptions_per_s"] = _counter_rate(
-                first.num_preemptions_total, last.num_preemptions_total, engine_span
-            )
-            out.update(_step_split(first, last))
         return out
+
+    def engine_span(self, now: float) -> tuple[EngineSample, EngineSample] | None:
+        """The first and last engine sample within the window (None: fewer than two)."""
+        engine = [s for s in self._engine if s.time >= now - self.window_s]
+        return (engine[0], engine[-1]) if len(engine) >= 2 else None
 
     def _first_seen(self) -> float:
         times = []
@@ -180,3 +175,23 @@ class LiveWindow:
         if self._engine:
             times.append(self._engine[0].time)
         return min(times) if times else math.inf
+
+
+ENGINE_RATES = ("generation_tokens_per_s", "prompt_tokens_per_s", "preemptions_per_s")
+
+
+def engine_rates(windows: list[LiveWindow], now: float) -> dict[str, float | None]:
+    """The engine-side rates of ``summary`` over several engines' windows: token and preemption
+    rates add up, the step split covers every engine's steps (data parallel: the whole fleet)."""
+    out: dict[str, float | None] = dict.fromkeys(ENGINE_RATES, 0.0)
+    out.update({"step_mean_s": None, "tokens_per_step": None,
+                **{f"step_{phase}_share": None for phase in STEP_SHARE_PHASES}})
+    spans = [span for w in windows if (span := w.engine_span(now)) is not None]
+    for first, last in spans:
+        seconds = last.time - first.time
+        for key, a, b in (("generation_tokens_per_s", first.generation_tokens_total, last.generation_tokens_total),
+                          ("prompt_tokens_per_s", first.prompt_tokens_total, last.prompt_tokens_total),
+                          ("preemptions_per_s", first.num_preemptions_total, last.num_preemptions_total)):
+            out[key] = (out[key] or 0.0) + _counter_rate(a, b, seconds)
+    out.update(_step_split(spans))
+    return out

@@ -11,9 +11,12 @@ count:
   not yet completed a step, no other suspect leaves the waiting queue (the queue
   head waits, so order is kept). A suspect that completes a step is cleared;
 - a request present at ``max_request_crashes`` consecutive crashes (counted while
-  it stays a suspect, and only for crashes that follow a plan it was in: a rank that
-  dies while the engine is still restarting is the same outage) is ended with finish reason ``error`` and a message naming
+  it stays a suspect) is ended with finish reason ``error`` and a message naming
   the cause, which the gateway answers as a 500; every other request continues.
+
+A crash is one outage of the engine's ranks, however many of them die in it: with
+tensor parallelism one rank's death takes the whole group down at once (the service,
+ranks.py), so the other ranks' deaths in the same group restart never reach ``on_crash``.
 
 Isolation is what makes the count mean something: without it an innocent request
 running beside the poison one would be present at every crash too.
@@ -30,10 +33,6 @@ class CrashSuspects:
     def __init__(self, max_request_crashes: int) -> None:
         self.max_request_crashes = max_request_crashes  # 0: never end a request for this
         self.counts: dict[str, int] = {}  # req_id -> consecutive crashes it was present at
-        # Whether a plan went out since the last crash. A rank that dies while its group restarts
-        # (tensor parallel), before any plan went out, is the same outage as the crash that
-        # started it, not a second crash of the requests it held.
-        self.dispatched = True
 
     def __bool__(self) -> bool:
         return bool(self.counts)
@@ -43,9 +42,7 @@ class CrashSuspects:
         if self.max_request_crashes <= 0:
             return []
         ended = []
-        blamed = list(present) if self.dispatched else []
-        self.dispatched = False
-        for req_id in blamed:
+        for req_id in present:
             n = self.counts.get(req_id, 0) + 1
             if n >= self.max_request_crashes:
                 ended.append(req_id)
@@ -53,10 +50,6 @@ class CrashSuspects:
             else:
                 self.counts[req_id] = n
         return ended
-
-    def on_dispatch(self) -> None:
-        """A plan with scheduled tokens went out."""
-        self.dispatched = True
 
     def may_admit(self, req_id: str, running: Iterable[str]) -> bool:
         """A suspect runs alone among suspects: not while another one is on probation."""

@@ -7,6 +7,15 @@ supervisor already restarted it), or when the service says so (step timeout,
 fatal ``WorkerError``). The table only decides; the service acts (abandons the
 step, ``preempt_all()``, tells gateways, or asks a *lingering* process, one that is
 dead to us or announced itself to a previous scheduler, to exit and be restarted).
+
+Tensor-parallel ranks (``WorkerReady.tensor_parallel_size`` above 1) are shards of one
+model: none can run without the others, and the supervisor restarts them together. So
+the death of one is the death of the group (``group_restarts``): the service marks every
+rank dead at once, and the engine is down until each rank has announced a new process.
+Deaths the scheduler notices later in that restart (the other ranks' new pids, their old
+processes' last heartbeats) are then not news, so the outage is one crash, not one per rank.
+A process once declared dead never counts as a rank's live process again (unless its pid
+announces itself anew: containers reuse pids).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ log = logging.getLogger("ferry.scheduler")
 
 Death = tuple[int, str]  # (rank, why)
 STRAY_GRACE_S = 3.0
+MAX_DEAD_PIDS = 256  # processes remembered as dead (a few per restart; the oldest are forgotten)
 
 
 @dataclass
@@ -39,6 +49,7 @@ class RankTable:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.states = [RankState() for _ in range(num_workers)]
         self.strays: dict[int, float] = {}  # pid -> first heartbeat without a WorkerReady
+        self.dead_pids: dict[int, None] = {}  # processes declared dead, oldest first
 
     def __len__(self) -> int:
         return len(self.states)
@@ -58,6 +69,10 @@ class RankTable:
     def infos(self) -> list[WorkerReady]:
         return [s.info for s in self.states if s.info is not None]
 
+    def group_restarts(self) -> bool:
+        """Whether the ranks are tensor-parallel shards (one rank's death is the group's)."""
+        return len(self.states) > 1 and any(i.tensor_parallel_size > 1 for i in self.infos())
+
     def on_ready(self, msg: WorkerReady, now: float) -> tuple[list[Death], bool]:
         """(deaths, accepted): a new pid replaces (kills) the process we used."""
         state = self.states[msg.rank]
@@ -75,10 +90,15 @@ class RankTable:
     def accept(self, msg: WorkerReady, now: float) -> None:
         state = self.states[msg.rank]
         state.ready, state.info, state.pid, state.last_seen = True, msg, msg.pid, now
+        self.dead_pids.pop(msg.pid, None)  # a reused pid (one process per container) is this new process
 
     def on_heartbeat(self, msg: WorkerHeartbeat, now: float) -> tuple[list[Death], bool]:
         """(deaths, lingering): lingering means a process we declared dead still runs."""
         state = self.states[msg.rank]
+        if msg.pid in self.dead_pids:
+            # A process declared dead (a group restart took it down, or a late heartbeat queued
+            # before it died): never a sign that the live one died, and it must exit if it runs.
+            return [], True
         if state.ready and msg.pid and msg.pid != state.pid:
             # A new process for this rank already runs, so the one we use is gone.
             return [(msg.rank, f"a new process (pid {msg.pid}) heartbeats for this rank")], False
@@ -111,6 +131,10 @@ class RankTable:
         """True if the rank was ready (so this is news)."""
         state = self.states[rank]
         was_ready, state.ready = state.ready, False
+        if was_ready and state.pid:
+            self.dead_pids[state.pid] = None
+            if len(self.dead_pids) > MAX_DEAD_PIDS:
+                del self.dead_pids[next(iter(self.dead_pids))]
         return was_ready
 
     def silent(self, now: float) -> list[Death]:

@@ -189,7 +189,6 @@ class Scheduler:
             self.counters.record_step(plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens))
             self._plan_time[plan.step_id] = now
             self._mark_ahead(plan)
-            self.suspects.on_dispatch()
         return plan
 
     def _mark_ahead(self, plan: StepPlan) -> None:

@@ -17,7 +17,8 @@ Faults: a ready worker that stops heartbeating, misses ``step_timeout_s``, repor
 fatal ``WorkerError`` or re-announces with a new pid is dead. The scheduler then
 abandons the step in flight, calls ``preempt_all()`` (every running request is
 recomputed later from its prompt plus the tokens it already generated) and waits
-for that rank's next ``WorkerReady``; clients only see a delay. A rank declared dead
+for that rank's next ``WorkerReady`` (tensor parallel: every rank's, the group restarts
+as one, ranks.py); clients only see a delay. A rank declared dead
 that keeps heartbeating (a forward that overran ``step_timeout_s``) is sent
 ``Shutdown(rank=...)`` so that its supervisor restarts it with a clean state. A gateway silent for
 ``gateway_timeout_s`` has its requests aborted so their blocks come free.
@@ -366,13 +367,24 @@ class SchedulerService:
             self.core.preempt_all()
 
     def _bury(self, deaths: list[tuple[int, str]]) -> None:
-        """Declare ranks dead: abandon the step in flight and recompute every running request."""
+        """Declare ranks dead: abandon the step in flight and recompute every running request.
+
+        A tensor-parallel rank takes its whole group down with it (ranks.py): every rank is
+        declared dead here, at once, so the deaths noticed later in the same group restart are
+        not news and the outage is one crash for the poison rule (poison.py), not one per rank.
+        """
         for rank, reason in deaths:
             if not self.ranks.mark_dead(rank):
                 continue
             self.worker_restarts_total += 1
             log.warning("rank %d (pid %d) is dead: %s; waiting for it to announce itself again",
                         rank, self.ranks.pid(rank), reason)
+            if self.ranks.group_restarts():
+                for other in self.ranks.ready_ranks():
+                    self.ranks.mark_dead(other)
+                    self.worker_restarts_total += 1
+                    log.warning("rank %d (pid %d) goes down with its tensor-parallel group (rank %d died); "
+                                "waiting for a new process to announce itself", other, self.ranks.pid(other), rank)
             if self.core is not None:
                 self.step = self.next_step = None
                 self.core.preempt_all()
@@ -386,7 +398,8 @@ class SchedulerService:
             return
         self.retired[pid] = now
         log.warning("rank %d (pid %d) runs but is not usable by this scheduler: asking it to exit", rank, pid)
-        self.plan_sock.send(encode(Shutdown(reason=f"rank {rank} (pid {pid}) was declared dead", rank=rank)))
+        # pid: a new process of the same rank (a group restart under way) must not take this for itself
+        self.plan_sock.send(encode(Shutdown(reason=f"rank {rank} (pid {pid}) was declared dead", rank=rank, pid=pid)))
 
     def _check_liveness(self) -> None:
         now = self.clock()

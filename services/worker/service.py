@@ -108,6 +108,7 @@ def serve(config: WorkerConfig) -> int:
         model=runner.model_name, max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
         pid=os.getpid(), kv_cache_bytes=runner.kv_cache_bytes, weight_bytes=runner.weight_bytes,
         dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device), num_threads=_torch_threads(),
+        tensor_parallel_size=config.tensor_parallel_size,
     )))
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(config, ctx, stop), name="heartbeat", daemon=True)
@@ -131,8 +132,8 @@ def _loop(runner: ModelRunner, plans: zmq.Socket, results: zmq.Socket, config: W
         except msgspec.DecodeError as exc:
             return _fail(results, config, f"undecodable message: {exc}", None)
         if isinstance(msg, Shutdown):
-            if msg.rank is not None and msg.rank != config.rank:
-                continue  # another rank is being retired
+            if msg.rank is not None and (msg.rank != config.rank or msg.pid not in (0, os.getpid())):
+                continue  # another rank, or this rank's previous process, is being retired
             log.info("shutdown: %s", msg.reason or "requested")
             results.close(linger=SEND_LINGER_MS)
             return 0

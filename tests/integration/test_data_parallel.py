@@ -4,8 +4,10 @@ random model, plus a second gateway that knows only engine 0 and finds engine 1 
 - a shared-prefix workload lands on one engine, whose prefix cache then hits;
 - distinct prompts spread over both engines;
 - SIGKILL of one engine's scheduler mid-load: every request is answered; those
-  that were only queued there are re-routed and complete; only those it was
-  running fail, with 503 + Retry-After (retryable).
+  that were only queued there are re-routed and complete; those it was running
+  are held and resumed on the restarted engine, and at worst (not back in time)
+  end with 503 + Retry-After (retryable): never more than its running set.
+  loadtests/engine_kill.py is the same run as a load test with a board.
 """
 
 from __future__ import annotations

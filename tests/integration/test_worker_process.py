@@ -113,7 +113,14 @@ def test_handshake_heartbeat_step_and_shutdown(tiny: tuple[FakeScheduler, Path])
                                    num_scheduled_tokens={"a": 1})))
     second = sched.recv(StepResult)
     assert isinstance(second, StepResult) and second.step_id == 2 and len(second.sampled_token_ids) == 1
-    sched.pub.send(encode(Shutdown(reason="test")))
+    # a retirement aimed at this rank's previous process (another pid) is not for this one
+    sched.pub.send(encode(Shutdown(reason="old process", rank=0, pid=sched.proc.pid + 100_000)))
+    sched.pub.send(encode(StepPlan(step_id=3, cached_requests=[CachedRequestData("a", [], 6)],
+                                   num_scheduled_tokens={"a": 1})))
+    third = sched.recv(StepResult)
+    assert isinstance(third, StepResult) and third.step_id == 3 and sched.proc.poll() is None
+    assert ready.tensor_parallel_size == 1
+    sched.pub.send(encode(Shutdown(reason="test", rank=0, pid=sched.proc.pid)))
     assert sched.proc.wait(20) == 0
 
 

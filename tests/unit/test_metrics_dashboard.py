@@ -132,3 +132,81 @@ def test_disabled_redis_is_neither_up_nor_down() -> None:
 
     rows = health_components({"status": "ok", "redis": {"redis": "disabled"}}, None)
     assert rows[-1] == {"name": "redis", "status": "disabled", "up": None, "detail": ""}
+
+
+def two_engines() -> tuple[GatewayMetrics, GatewayMetrics, Any]:
+    """The gateway's metrics (engine "0") and engine "1"'s view, as the engine pool makes them."""
+    from services.gateway.engine_pool import engine_metrics
+
+    base = GatewayMetrics("m")
+    other = engine_metrics(base, "1")
+    return base, other, lambda: [("0", base), ("1", other)]
+
+
+def engine_stats(t: float, running: list[str], waiting: list[str], free: int, total: int = 64,
+                 generated: int = 0) -> EngineStats:
+    return EngineStats(time=t, num_running=len(running), num_waiting=len(waiting), num_kv_blocks_total=total,
+                       num_kv_blocks_free=free, kv_usage=(total - free) / total, generation_tokens_total=generated,
+                       running=[RequestSummary(r, 0, 10, 2, 12, 1.0) for r in running],
+                       waiting=[RequestSummary(w, 0, 10, 0, 0, 0.5) for w in waiting],
+                       process_rss_bytes={"scheduler": 1 << 20, "worker0": 2 << 20},
+                       num_running_by_priority={0: len(running)})
+
+
+def test_snapshot_adds_up_every_engine_and_lists_every_engines_requests() -> None:
+    base, other, engines = two_engines()
+    now = 1000.0
+    base.on_engine_stats(engine_stats(now - 10, ["a"], [], free=60, generated=0))
+    base.on_engine_stats(engine_stats(now, ["a"], [], free=60, generated=100))  # 10 tok/s
+    other.on_engine_stats(engine_stats(now - 10, ["b", "c"], ["d"], free=32, total=128, generated=0))
+    other.on_engine_stats(engine_stats(now, ["b", "c"], ["d"], free=32, total=128, generated=300))  # 30 tok/s
+    snap = dashboard_snapshot(base, state, now=now + 1, engines=engines)
+    e = snap["engine"]
+    assert (e["num_running"], e["num_waiting"], e["num_engines"], e["engines_reporting"]) == (3, 1, 2, 2)
+    assert (e["num_kv_blocks_total"], e["num_kv_blocks_free"]) == (192, 92)
+    assert e["kv_usage"] == 100 / 192  # used blocks over all blocks, not the mean of the two usages
+    assert e["running_by_priority"] == {"0": 3} and e["stale"] is False
+    assert snap["window"]["generation_tokens_per_s"] == 40.0
+    assert [(r["engine"], r["req_id"]) for r in snap["running"]] == [("0", "a"), ("1", "b"), ("1", "c")]
+    assert [(r["engine"], r["req_id"]) for r in snap["waiting"]] == [("1", "d")]
+    assert [p["name"] for p in snap["processes"]] == [
+        "gateway", "engine0/scheduler", "engine0/worker0", "engine1/scheduler", "engine1/worker0"]
+    # the one-engine default keeps the plain names and its own numbers
+    alone = dashboard_snapshot(base, state, now=now + 1)
+    assert alone["engine"]["num_running"] == 1 and [r["engine"] for r in alone["running"]] == ["0"]
+    assert alone["window"]["generation_tokens_per_s"] == 10.0
+
+
+def test_a_stale_engine_leaves_the_sums_and_the_tables() -> None:
+    base, other, engines = two_engines()
+    base.on_engine_stats(engine_stats(1000.0, ["a"], ["x"], free=60))
+    other.on_engine_stats(engine_stats(1020.0, ["b"], [], free=32))
+    snap = dashboard_snapshot(base, state, now=1021.0, engines=engines)
+    assert (snap["engine"]["num_running"], snap["engine"]["num_waiting"]) == (1, 0)
+    assert (snap["engine"]["engines_reporting"], snap["engine"]["stale"]) == (1, False)
+    assert [r["req_id"] for r in snap["running"]] == ["b"] and snap["waiting"] == []
+    both_stale = dashboard_snapshot(base, state, now=1100.0, engines=engines)["engine"]
+    assert both_stale["stale"] is True and both_stale["num_running"] == 2  # the last numbers, marked stale
+
+
+def test_history_adds_up_the_engines_second_by_second() -> None:
+    base, other, engines = two_engines()
+    for i in range(3):
+        base.on_engine_stats(engine_stats(1000.0 + i, ["a"] * (i + 1), [], free=32))
+    other.on_engine_stats(engine_stats(1000.5, ["b", "c"], ["d"], free=0))  # one sample, then silent
+    points = history_points(base, now=1010.0, engines=engines)
+    assert [(p["num_running"], p["num_waiting"]) for p in points] == [(3, 1), (4, 1), (5, 1)]
+    assert points[0]["kv_usage"] == (32 + 64) / 128
+    assert [p["num_running"] for p in history_points(base, now=1010.0)] == [1, 2, 3]
+
+
+def test_table_rows_interleave_engines_up_to_the_cap() -> None:
+    from services.gateway.dashboard import MAX_TABLE_ROWS
+
+    base, other, engines = two_engines()
+    base.on_engine_stats(engine_stats(1000.0, [f"a{i}" for i in range(40)], [], free=0))
+    other.on_engine_stats(engine_stats(1000.0, [f"b{i}" for i in range(40)], [], free=0))
+    rows = dashboard_snapshot(base, state, now=1000.5, engines=engines)["running"]
+    assert len(rows) == MAX_TABLE_ROWS
+    assert [r["req_id"] for r in rows[:4]] == ["a0", "b0", "a1", "b1"]
+    assert sum(r["engine"] == "1" for r in rows) == MAX_TABLE_ROWS // 2

@@ -71,17 +71,3 @@ def test_zero_never_ends_a_request_for_crashes() -> None:
     for _ in range(5):
         sched.preempt_all()
     assert "a" in sched.requests and not sched.suspects
-
-
-def test_a_second_death_before_any_plan_is_the_same_outage() -> None:
-    """Tensor parallel: one rank dies, its group restarts and the scheduler sees the other rank die
-    too before any plan went out. That is one crash for the requests, not two."""
-    from services.scheduler.poison import CrashSuspects
-
-    suspects = CrashSuspects(2)
-    suspects.on_dispatch()
-    assert suspects.on_crash(["a", "b"]) == []  # first crash: both suspects
-    assert suspects.on_crash(["a"]) == []  # no plan since: the same outage, nobody blamed twice
-    assert suspects.counts == {"a": 1, "b": 1}
-    suspects.on_dispatch()  # "a" runs again, alone, and the worker dies during its step
-    assert suspects.on_crash(["a"]) == ["a"]

@@ -87,7 +87,7 @@
   // The server already reduced /health to one row per process: {name, status, up, detail}.
   const healthRow = (h) => [h.name, { text: h.status, cls: h.up === true ? "ok" : h.up === false ? "bad" : "unknown" }, h.detail];
 
-  const reqRow = (r) => [r.req_id, r.priority, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens, fmtSec(r.age_s)];
+  const reqRow = (r) => [r.engine, r.req_id, r.priority, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens, fmtSec(r.age_s)];
 
   // -- rendering one snapshot -------------------------------------------------
   function render(s) {
@@ -96,6 +96,8 @@
     const w = s.window || {};
     setText("model-name", s.model || "");
     setText("running-count", fmtInt(e.num_running));
+    // several engines (data parallel): the cards and the chart add up every engine that reports
+    setText("engines-scope", e.num_engines > 1 ? `(${e.engines_reporting} of ${e.num_engines} engines)` : "");
     setText("waiting-count", fmtInt(e.num_waiting));
     setText("kv-usage", fmtPct(e.kv_usage));
     $("kv-usage-bar").style.width = e.kv_usage == null ? "0" : (e.kv_usage * 100).toFixed(1) + "%";
