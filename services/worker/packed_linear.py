@@ -1,0 +1,180 @@
+"""Linear layers with their weights pre-packed for oneDNN, on the CPU.
+
+``F.linear`` on the CPU hands every call's weight to the BLAS in its plain row-major
+layout, which the library re-blocks internally each time. oneDNN can take the weight
+once, reordered into the blocked layout its kernels read (``mkldnn._reorder_linear_weight``),
+and multiply against that on every call (``mkldnn._linear_pointwise``): the same
+products, in the same order for bfloat16 (bit-identical outputs, checked at start-up and
+in tests/unit/test_packed_linear.py), and 1.05-1.1x faster at prefill sizes, 1.2-1.4x at
+a decode batch of 64 and 1.3-2.9x for a single decode on this model's shapes
+(docs/benchmarks.md, "CPU worker speed"). PyTorch's inductor does the same when it
+freezes a model for the CPU.
+
+Projections that read the same input are also fused into one product
+(``fuse_projections``): q/k/v of every attention and gate/up of every MLP, as vLLM's
+``QKVParallelLinear`` and ``MergedColumnParallelLinear`` do. transformers' model code
+still calls ``q_proj``, ``k_proj`` and ``v_proj`` one after the other; here ``q_proj``
+computes all three outputs in one oneDNN call and hands ``k_proj`` and ``v_proj`` theirs
+(``FusedHead`` / ``FusedPart``). One product of width 960 instead of 576 + 192 + 192
+and one of 3,072 instead of 2 x 1,536 ran 1.2-1.3x faster at every batch size measured.
+
+Only bfloat16 by default: in float32 oneDNN's kernels sum in another order than MKL's
+(differences ~1e-4 on these shapes), and float32 is the dtype whose greedy output must
+match transformers token for token. ``FERRY_CPU_PACKED_LINEAR=0`` turns packing off,
+``=all`` packs float32 too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("ferry.worker.packed_linear")
+
+BATCH_HINT = 64  # the M oneDNN picks its layout for; measured best or near-best from M=1 to 2048
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear``'s forward over a oneDNN-packed weight (the plain weight is dropped)."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.weight_nbytes = weight.numel() * weight.element_size()
+        self.dtype = weight.dtype
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+class FusedHead(nn.Module):
+    """The first projection of a fused group: one product for the whole group, its own slice returned.
+
+    Its followers (``FusedPart``) are called next on the same input and take their slices
+    of that product; a follower called on any other tensor is a change in the model's
+    code that this shim cannot follow, so it fails loudly instead of returning a stale slice.
+    """
+
+    def __init__(self, fused: nn.Module, sizes: list[int]) -> None:
+        super().__init__()
+        self.fused = fused
+        self.sizes = sizes
+        self.in_features = getattr(fused, "in_features", None)
+        self.out_features = sizes[0]
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._parts = torch.split(self.fused(x), self.sizes, dim=-1)
+        self._input = x
+        return self._parts[0]
+
+    def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._input:
+            raise RuntimeError("a fused projection was called on another input than its group's first")
+        part = self._parts[index]
+        if index == len(self.sizes) - 1:  # the group is complete: drop the references
+            self._input, self._parts = None, ()
+        return part
+
+
+class FusedPart(nn.Module):
+    def __init__(self, head: FusedHead, index: int) -> None:
+        super().__init__()
+        self._head = [head]  # a list: not a registered submodule (the head is already one)
+        self.index = index
+        self.out_features = head.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._head[0].take(self.index, x)
+
+
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Fuse each q/k/v and gate/up group of plain ``nn.Linear`` layers (packed); the groups fused."""
+    if not packing_enabled(dtype, device):
+        return 0
+    fused = 0
+    for parent in list(module.modules()):
+        for names in FUSED_GROUPS:
+            layers = [getattr(parent, n, None) for n in names]
+            if not all(type(m) is nn.Linear and m.weight.dtype == dtype for m in layers):
+                continue
+            if len({m.in_features for m in layers}) != 1 or len({m.bias is None for m in layers}) != 1:
+                continue
+            first = layers[0]
+            joined = nn.Linear(first.in_features, sum(m.out_features for m in layers), bias=first.bias is not None,
+                               device=first.weight.device, dtype=dtype)
+            with torch.no_grad():
+                joined.weight.copy_(torch.cat([m.weight for m in layers]))
+                if first.bias is not None:
+                    joined.bias.copy_(torch.cat([m.bias for m in layers]))
+            try:
+                inner: nn.Module = PackedLinear(joined)
+            except RuntimeError as exc:
+                log.warning("linear packing unavailable (%s); projections left unfused", exc)
+                return fused
+            head = FusedHead(inner, [m.out_features for m in layers])
+            probe = torch.randn(3, first.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+            outs = head(probe), *(FusedPart(head, i)(probe) for i in range(1, len(layers)))
+            if not all(torch.equal(o, F.linear(probe, m.weight, m.bias)) for o, m in zip(outs, layers, strict=True)):
+                log.warning("fused %s differ from separate products; left unfused", "/".join(names))
+                continue
+            setattr(parent, names[0], head)
+            for i, n in enumerate(names[1:], start=1):
+                setattr(parent, n, FusedPart(head, i))
+            fused += 1
+    return fused
+
+
+def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
+    setting = os.environ.get("FERRY_CPU_PACKED_LINEAR", "1").strip().lower()
+    if device.type != "cpu" or setting in ("0", "false", "no", "off"):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.bfloat16 or (setting == "all" and dtype == torch.float32)
+
+
+def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Swap every plain ``nn.Linear`` under ``module`` for a ``PackedLinear``; the count swapped.
+
+    A layer whose packed product is not bit-identical to ``F.linear`` on a probe input
+    (bfloat16) stays as it is, so a oneDNN that disagrees costs speed, never correctness.
+    """
+    if not packing_enabled(dtype, device):
+        return 0
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.dtype != dtype:
+                continue
+            try:
+                packed = PackedLinear(child)
+                if dtype == torch.bfloat16:
+                    probe = torch.randn(3, child.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+                    if not torch.equal(packed(probe), F.linear(probe, child.weight, child.bias)):
+                        log.warning("packed %s differs from F.linear; left unpacked", name)
+                        continue
+            except RuntimeError as exc:  # a oneDNN build without this op or dtype
+                log.warning("linear packing unavailable (%s); using F.linear", exc)
+                return swapped
+            setattr(parent, name, packed)
+            swapped += 1
+    return swapped
+
+
+def packed_weight_bytes(module: nn.Module) -> int:
+    return sum(m.weight_nbytes for m in module.modules() if isinstance(m, PackedLinear))

@@ -1,0 +1,91 @@
+"""oneDNN-packed and fused linear layers (services/worker/packed_linear.py).
+
+Packing and fusing must not change a single bit of a bfloat16 forward: the packed
+product against ``F.linear``, each fused projection against its separate layer, and
+the whole tiny model's logits (Llama: GQA, no biases; Qwen2: MQA with q/k/v biases)
+against the untouched model. float32 stays on ``F.linear`` unless asked.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.packed_linear import (
+    FusedHead,
+    FusedPart,
+    PackedLinear,
+    fuse_projections,
+    pack_linears,
+    packing_enabled,
+)
+from tests.conftest import cached_tiny_model
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (1, 7, 48), (2, 64, 48)])
+def test_packed_linear_is_bit_identical_in_bfloat16(bias: bool, shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(len(shape) * 10 + shape[-2])
+    lin = nn.Linear(48, 40, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 48, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(40, generator=gen))
+    x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    out = packed(x)
+    assert out.shape == (*shape[:-1], 40) and out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x, lin.weight, lin.bias))
+    assert packed.weight_nbytes == 40 * 48 * 2
+
+
+def test_packing_is_off_for_float32_and_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert packing_enabled(torch.bfloat16, CPU)
+    assert not packing_enabled(torch.float32, CPU)  # float32 must equal transformers bit for bit
+    assert not packing_enabled(torch.bfloat16, torch.device("cuda"))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    assert pack_linears(model, torch.float32, CPU) == 0
+    monkeypatch.setenv("FERRY_CPU_PACKED_LINEAR", "0")
+    assert not packing_enabled(torch.bfloat16, CPU)
+    assert pack_linears(model.to(torch.bfloat16), torch.bfloat16, CPU) == 0
+    monkeypatch.setenv("FERRY_CPU_PACKED_LINEAR", "all")
+    assert packing_enabled(torch.float32, CPU)
+
+
+def test_fused_part_refuses_another_input() -> None:
+    head = FusedHead(nn.Linear(8, 12), [6, 4, 2])
+    x = torch.randn(3, 8)
+    q = head(x)
+    k = FusedPart(head, 1)(x)
+    assert q.shape == (3, 6) and k.shape == (3, 4)
+    with pytest.raises(RuntimeError, match="another input"):
+        FusedPart(head, 2)(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_packed_model_gives_the_same_logits_bit_for_bit(kind: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(cached_tiny_model(kind), dtype=torch.bfloat16).eval()
+    fast = copy.deepcopy(model)
+    body = fast.get_decoder()
+    layers = len(body.layers)
+    assert fuse_projections(body, torch.bfloat16, CPU) == 2 * layers  # q/k/v and gate/up in every layer
+    # 2 fused products + o_proj + down_proj per layer are packed (the fused ones already were)
+    assert pack_linears(body, torch.bfloat16, CPU) == 2 * layers
+    attn = body.layers[0].self_attn
+    assert isinstance(attn.q_proj, FusedHead) and isinstance(attn.v_proj, FusedPart)
+    assert isinstance(attn.o_proj, PackedLinear)
+    ids = torch.randint(0, model.config.vocab_size, (1, 19), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model(ids).logits
+        got = fast(ids).logits
+    assert torch.equal(got, want)
