@@ -109,8 +109,9 @@ def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device
     fused = 0
     for parent in list(module.modules()):
         for names in FUSED_GROUPS:
-            layers = [getattr(parent, n, None) for n in names]
-            if not all(type(m) is nn.Linear and m.weight.dtype == dtype for m in layers):
+            found = [getattr(parent, n, None) for n in names]
+            layers = [m for m in found if type(m) is nn.Linear and m.weight.dtype == dtype]
+            if len(layers) != len(names):
                 continue
             if len({m.in_features for m in layers}) != 1 or len({m.bias is None for m in layers}) != 1:
                 continue
