@@ -17,8 +17,8 @@ requests finish within ``--shutdown-grace-s``, then the scheduler, workers and
 Redis stop. A second signal stops everything at once.
 
 Threads: the workers get the cores (``--num-threads`` each, default: cores /
-workers) with ``OMP_WAIT_POLICY=PASSIVE`` (their OpenMP threads sleep at barriers
-rather than spin, since the cores are shared); the gateway, scheduler and Redis get
+workers) with ``GOMP_SPINCOUNT=10000`` (their OpenMP threads spin briefly at
+barriers, then sleep, since the cores are shared); the gateway, scheduler and Redis get
 one thread each and never spin.
 """
 
@@ -175,13 +175,14 @@ class Stack:
             "FERRY_LOG_FORMAT": args.log_format, "FERRY_LOG_PROMPTS": "true" if args.log_prompts else "false",
         }
         light_env = {**base_env, **SINGLE_THREAD_ENV}
-        # OMP_WAIT_POLICY=PASSIVE: an OpenMP thread that reaches a barrier sleeps instead of
-        # spinning. The worker never has the cores to itself (the gateway, scheduler, Redis and
-        # clients run beside it), and a spinning thread then burns the core its straggling
-        # sibling needs: 2-thread matmuls ran 10-30x slower with libgomp's default spin on a
-        # shared 2-core machine (docs/benchmarks.md, "Serving overhead (issue 11)"). An
-        # operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
-        wait_policy = {} if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ) else {"OMP_WAIT_POLICY": "PASSIVE"}
+        # GOMP_SPINCOUNT=10000: an OpenMP thread that reaches a barrier spins briefly, then
+        # sleeps. The worker never has the cores to itself (the gateway, scheduler, Redis and
+        # clients run beside it); libgomp's default spin burns the core a straggling sibling
+        # needs (2-thread matmuls 10-30x slower on a shared 2-core machine), while never
+        # spinning (OMP_WAIT_POLICY=PASSIVE) cost ~20 % on a quiet one (docs/benchmarks.md,
+        # "OpenMP waits"). The same default as services/worker/service.py's; an operator's own
+        # OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+        wait_policy = {} if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ) else {"GOMP_SPINCOUNT": "10000"}
         worker_env = {**base_env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                       "TOKENIZERS_PARALLELISM": "false", **wait_policy}
         if self.tp > 1:  # all ranks on this host: gloo's connections over loopback

@@ -153,16 +153,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_openmp_wait_policy(environ: dict[str, str] | os._Environ[str]) -> None:
-    """OpenMP threads that sleep at barriers unless the operator chose a policy.
+OPENMP_SPIN_COUNT = "10000"  # ferry_cli/serve.py gives its workers the same default
 
-    A worker shares its cores (gateway, scheduler, clients, other jobs); libgomp's default
-    spinning then burns the core a straggling sibling thread needs, which made 2-thread
-    matmuls 10-30x slower on a shared 2-core machine (docs/benchmarks.md, "Serving
-    overhead (issue 11)"). libgomp reads this when torch loads, so it is set before that.
+
+def default_openmp_wait_policy(environ: dict[str, str] | os._Environ[str]) -> None:
+    """OpenMP threads that spin briefly at barriers, then sleep, unless the operator chose a policy.
+
+    libgomp's default spin (300,000 rounds) burns the core a straggling sibling thread
+    needs whenever anything else runs (gateway, scheduler, clients, other jobs): 2-thread
+    matmuls ran 10-30x slower on a shared 2-core machine. Never spinning
+    (``OMP_WAIT_POLICY=PASSIVE``) fixed that but cost ~20 % of a quiet machine's
+    throughput, because every one of a step's ~1,000 parallel regions then woke its
+    threads through the kernel. ``GOMP_SPINCOUNT=10000`` keeps the threads awake across
+    the microseconds between one op and the next and asleep between steps
+    (docs/benchmarks.md, "OpenMP waits"). libgomp reads this when torch loads, so it is
+    set before that.
     """
     if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ def test_workers_get_the_cores_and_sleep_at_barriers(monkeypatch: pytest.MonkeyP
     assert len(workers) == 2
     for w in workers:
         assert w.env["OMP_NUM_THREADS"] == "3" and w.env["MKL_NUM_THREADS"] == "3"
-        assert w.env["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert w.env["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in w.env
         assert "--num-threads" in w.cmd and w.cmd[w.cmd.index("--num-threads") + 1] == "3"
     for light in s.by_role("scheduler") + s.by_role("gateway"):
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
@@ -32,19 +32,19 @@ def test_workers_get_the_cores_and_sleep_at_barriers(monkeypatch: pytest.MonkeyP
 
 
 def test_an_operators_openmp_policy_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    s = stack(monkeypatch, GOMP_SPINCOUNT="10000")
+    s = stack(monkeypatch, GOMP_SPINCOUNT="500")
     for w in s.by_role("worker"):
-        assert "OMP_WAIT_POLICY" not in w.env and w.env["GOMP_SPINCOUNT"] == "10000"
-    s = stack(monkeypatch, OMP_WAIT_POLICY="ACTIVE")
-    assert all(w.env["OMP_WAIT_POLICY"] == "ACTIVE" for w in s.by_role("worker"))
+        assert "OMP_WAIT_POLICY" not in w.env and w.env["GOMP_SPINCOUNT"] == "500"
+    s = stack(monkeypatch, OMP_WAIT_POLICY="PASSIVE")
+    assert all(w.env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in w.env for w in s.by_role("worker"))
 
 
-def test_a_worker_started_any_other_way_defaults_to_passive_too() -> None:
+def test_a_worker_started_any_other_way_gets_the_same_default() -> None:
     from services.worker.service import default_openmp_wait_policy
 
     env: dict[str, str] = {}
     default_openmp_wait_policy(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"GOMP_SPINCOUNT": "10000"}
     for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "5000"}):
         env = dict(chosen)
         default_openmp_wait_policy(env)
