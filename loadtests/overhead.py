@@ -211,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "loadtests.overhead", "--offline-one", str(path), "--dtype", args.dtype,
                    "--threads", str(args.threads), "--model", args.model]
             # The offline engine with the OpenMP wait policy ferry serve gives its worker.
-            env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+            # (services/worker/service.py: GOMP_SPINCOUNT=10000 unless the operator chose).
+            env = dict(os.environ)
+            if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(env):
+                env["GOMP_SPINCOUNT"] = "10000"
             offline = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout)
             log(f"repeat {i + 1}: offline {offline['output_tok_s']:.1f} out tok/s")
             served = serve_one(server, trace, args.request_timeout)
