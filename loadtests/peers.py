@@ -264,7 +264,9 @@ def board(results: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtests.peers", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/bench-peers"))
-    p.add_argument("--servers", default="vllm,ferry", help="in order, one at a time: vllm, ferry")
+    p.add_argument("--servers", default="vllm,vllm-all-cores,ferry",
+                   help="in order, one at a time: vllm (its defaults), vllm-all-cores (no core reserved for its "
+                        "front end), ferry")
     p.add_argument("--dtypes", default="auto",
                    help="comma-separated: float32, bfloat16, or auto (bfloat16 with native bf16 here, else float32)")
     p.add_argument("--model", default=SERVED_NAME)
@@ -323,14 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = model_dir(resolve_model(args.model))
     log(f"model as a plain HF folder: {hf_dir}")
     vllm_python = launcher = None
-    if "vllm" in servers:
+    if any(name.startswith("vllm") for name in servers):
         try:
             vllm_python, launcher = ensure_vllm(args.venv)
             meta["vllm"] = vllm_version(vllm_python)
         except (subprocess.CalledProcessError, ValueError, OSError) as exc:
             log(f"vLLM could not be installed ({exc}); the board shows ferry and the GEMM limit only")
             meta["vllm"] = f"install failed: {exc}"
-            servers.remove("vllm")
+            servers = [name for name in servers if not name.startswith("vllm")]
     shape = TraceShape(args.num_requests, args.prompt_tokens, args.max_tokens)
     limits = {}
     for dtype in dtypes:
@@ -341,17 +343,20 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"meta": meta, "gemm_limits": limits, "servers": []}
     for dtype in dtypes:
         for name in servers:
-            if name == "vllm":
+            if name in ("vllm", "vllm-all-cores"):
                 assert vllm_python is not None and launcher is not None
+                # vLLM's default on a 2-core machine keeps one core for its front end and
+                # computes on the other; "vllm-all-cores" computes on every core
+                # (VLLM_CPU_NUM_OF_RESERVED_CPU=0), as ferry's worker does.
+                reserved = "0" if name == "vllm-all-cores" else args.vllm_reserved_cpus
                 spec = ServerSpec(
                     kind="command", model=str(hf_dir), startup_timeout_s=args.startup_timeout,
                     command=f"{vllm_python} {launcher} serve {{model}} --host {{host}} --port {{port}} "
                             f"--dtype {dtype} --served-model-name {SERVED_NAME}",
                     env={"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib),
-                         **({"VLLM_CPU_NUM_OF_RESERVED_CPU": args.vllm_reserved_cpus}
-                            if args.vllm_reserved_cpus else {})},
+                         **({"VLLM_CPU_NUM_OF_RESERVED_CPU": reserved} if reserved else {})},
                 )
-                label = f"vLLM-CPU {meta['vllm'].split()[0]}"
+                label = f"vLLM-CPU {meta['vllm'].split()[0]}" + (" (all cores compute)" if reserved == "0" else "")
             else:
                 # --queue-timeout-s 3600: requests wait as long as vLLM lets them (it has no queue
                 # deadline); ferry's 60 s default refused part of a burst on a slow machine.

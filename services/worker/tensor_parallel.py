@@ -16,12 +16,18 @@ Embeddings, norms and the LM head stay whole on every rank (they are a small
 part of the weights of the models this targets; splitting the vocabulary would
 add a gather for nothing on a CPU). Two all-reduces per layer, nothing else.
 
-This is ferry's own split for the Llama family (Llama, Mistral, Qwen2, SmolLM...:
-``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``), applied to the
-loaded transformers model in place, so ferry's paged attention runs unchanged
-on fewer heads (transformers' attention views with ``-1`` heads). transformers'
-own ``tp_plan`` needs ``torchrun`` and DTensor and assumes its own KV cache;
-ferry's ranks are plain processes under ``ferry serve``'s supervision.
+Which layer gets which split comes from transformers' own tensor-parallel plan
+when the model's config class has one (``base_model_tp_plan``, e.g. Llama's
+``{"layers.*.self_attn.q_proj": "colwise", ..., "layers.*.mlp.down_proj": "rowwise"}``):
+``colwise`` and ``rowwise`` entries are applied by ferry's own slicing below; a plan
+with any other style (MoE experts' ``local_colwise``, ``gather``...) is refused by
+name. Without a plan, ferry's own split for the Llama family (Llama, Mistral, Qwen2,
+SmolLM...: ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``) applies.
+Either way the result must shard every layer's seven projections, so ferry's paged
+attention runs unchanged on fewer heads (transformers' attention views with ``-1``
+heads). transformers' own execution of the plan (``from_pretrained(tp_plan="auto")``)
+needs ``torchrun`` and DTensor and assumes its own KV cache; ferry's ranks are plain
+processes under ``ferry serve``'s supervision, so only the plan is taken from it.
 
 Collectives go through ``torch.distributed`` (gloo on CPU, NCCL on CUDA). The
 ranks rendezvous at ``tp_init_method``, which ``ferry serve`` hands out per
@@ -99,6 +105,58 @@ def rank_config(config: Mapping[str, Any], size: int) -> dict[str, Any]:
     return capacity.tensor_parallel_config(config, size)
 
 
+PLAN_STYLES = ("colwise", "rowwise")
+LLAMA_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def model_tp_plan(model: Any) -> dict[str, str]:
+    """transformers' tensor-parallel plan of the model's decoder (empty when its class has none)."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    return dict(plan) if isinstance(plan, Mapping) else {}
+
+
+def shard(model: Any, config: Mapping[str, Any], rank: int, size: int) -> str:
+    """Shard ``model`` for this rank by transformers' plan, else ferry's Llama split; which one was used."""
+    plan = model_tp_plan(model)
+    if not plan:
+        shard_llama(model, config, rank, size)
+        return "ferry's Llama split"
+    shard_by_plan(model, plan, config, rank, size)
+    return "transformers' tp_plan"
+
+
+def shard_by_plan(model: Any, plan: Mapping[str, str], config: Mapping[str, Any], rank: int, size: int) -> None:
+    """Apply a transformers ``tp_plan`` (decoder-relative patterns) with ferry's column/row slicing."""
+    import fnmatch
+
+    unsupported = sorted({style for style in plan.values() if style not in PLAN_STYLES})
+    if unsupported:
+        raise ValueError(f"the model's tensor-parallel plan uses {', '.join(unsupported)}; ferry applies only "
+                         f"{' and '.join(PLAN_STYLES)} (dense Llama-family layers; MoE is not supported)")
+    check_divisible(config, size)
+    decoder = model.get_decoder()
+    done: dict[str, str] = {}
+    for name, module in list(decoder.named_modules()):
+        style = next((st for pattern, st in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if style is None or not name:
+            continue
+        if type(module) is not nn.Linear:
+            raise ValueError(f"the tensor-parallel plan splits {name}, a {type(module).__name__}, not a Linear")
+        parent_name, _, attr = name.rpartition(".")
+        parent = decoder.get_submodule(parent_name)
+        setattr(parent, attr, _column(module, rank, size) if style == "colwise" else _row(module, rank, size))
+        done[name] = style
+    # ferry's paged attention and KV sizing assume every projection of every layer is split,
+    # queries/keys/values by heads and o/down by rows: a plan that does less is refused.
+    for i in range(len(decoder.layers)):
+        for proj in LLAMA_PROJECTIONS:
+            want = "rowwise" if proj.endswith(("o_proj", "down_proj")) else "colwise"
+            if done.get(f"layers.{i}.{proj}") != want:
+                raise ValueError(f"the tensor-parallel plan does not split layers.{i}.{proj} {want}; "
+                                 "ferry needs the Llama-family split")
+
+
 def shard_llama(model: Any, config: Mapping[str, Any], rank: int, size: int) -> None:
     """Replace every decoder layer's projections by this rank's slices, in place."""
     check_divisible(config, size)
@@ -167,7 +225,8 @@ def setup(config: WorkerConfig, model: Any, model_config: Mapping[str, Any]) -> 
         raise ValueError(f"rank {config.rank} is outside a tensor-parallel group of {size}")
     if not config.tp_init_method:
         raise ValueError("tensor parallelism needs --tp-init-method (ferry serve sets it per engine)")
-    shard_llama(model, model_config, config.rank, size)
+    how = shard(model, model_config, config.rank, size)
+    log.info("rank %d of %d: sharded by %s", config.rank, size, how)
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     log.info("rank %d of %d: joining the %s group at %s", config.rank, size, backend, config.tp_init_method)
     dist.init_process_group(backend, init_method=config.tp_init_method, rank=config.rank, world_size=size,

@@ -1,0 +1,209 @@
+"""Micro-benchmarks behind the CPU forward's choices (docs/benchmarks.md, "CPU worker speed on a quiet machine").
+
+Each part prints one line per case and the JSON of all of them goes to ``--out``;
+times are the best of several repeats of wall time (the quiet-machine figure; on a
+busy machine use ``bench_parts``' process CPU times instead).
+
+- ``linear``: the model's products at M = 1, 16, 64, 2048 in bfloat16: ``F.linear``,
+  oneDNN-packed (``packed_linear.PackedLinear``), and q/k/v + gate/up fused and packed.
+- ``sdpa``: a 2,048-token prefill step (10 x 200-token causal prompts, 9/3 heads of 64):
+  SDPA on the token-major (strided) views the runner had, and on contiguous copies.
+- ``decode``: the ``cpu_paged`` decode kernel at the common load's decode shape (64
+  requests, contexts 201-264, shuffled blocks), bfloat16 and float32.
+- ``int8``: weight-only int8 (``torch._weight_int8pack_mm``) against packed bfloat16.
+- ``rate``: the offline engine fed the common load's 64 prompts at 2 requests/s in real
+  time (what ``ferry serve`` sees at 2/s, without HTTP): TTFT and end-to-end
+  percentiles, and the mean time of steps that carry a prefill and of decode-only steps.
+  libgomp reads ``GOMP_SPINCOUNT`` / ``OMP_WAIT_POLICY`` at start, so compare those by
+  running this once per setting.
+
+    python -m services.engine.bench_cpu_paths --parts linear,sdpa,decode,int8,rate --out results/cpu-paths.json
+"""
+
+# ruff: noqa: B023 - every closure is timed and dropped within its own loop iteration
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+H, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64  # SmolLM2-135M
+BF16 = torch.bfloat16
+
+
+def best_ms(fn: Callable[[], Any], n: int, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best * 1e3
+
+
+def part_linear() -> list[dict[str, Any]]:
+    lp, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
+    shapes = {"q": 576, "k": 192, "v": 192, "gate": INTER, "up": INTER}
+    w = {k: torch.randn(o, H).to(BF16) for k, o in shapes.items()}
+    packed = {k: pack(t, 64) for k, t in w.items()}
+    qkv = pack(torch.cat([w["q"], w["k"], w["v"]]), 64)
+    gate_up = pack(torch.cat([w["gate"], w["up"]]), 64)
+    rows = []
+    for m in (1, 16, 64, 2048):
+        x = torch.randn(m, H).to(BF16)
+        n = 5 if m == 2048 else 100
+        plain = best_ms(lambda: [F.linear(x, t) for t in w.values()], n)
+        sep = best_ms(lambda: [lp(x, t, None, "none", [], "") for t in packed.values()], n)
+        fused = best_ms(lambda: (lp(x, qkv, None, "none", [], ""), lp(x, gate_up, None, "none", [], "")), n)
+        rows.append({"part": "linear", "m": m, "f_linear_ms": plain, "packed_ms": sep, "packed_fused_ms": fused})
+        print(f"linear M={m:5d}: q,k,v,gate,up F.linear {plain:.3f} ms, packed {sep:.3f} ms, "
+              f"fused+packed {fused:.3f} ms ({plain / fused:.2f}x)", flush=True)
+    return rows
+
+
+def part_sdpa() -> list[dict[str, Any]]:
+    rows = []
+    s, b = 200, 10
+    for dt in (BF16, torch.float32):
+        q = torch.randn(b * s, HEADS, HEAD_DIM).to(dt)
+        k = torch.randn(b * s, KV_HEADS, HEAD_DIM).to(dt)
+        v = torch.randn(b * s, KV_HEADS, HEAD_DIM).to(dt)
+
+        def run(contiguous: bool) -> None:
+            for i in range(b):
+                sl = slice(i * s, (i + 1) * s)
+                qp, kp, vp = (t[sl].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                if contiguous:
+                    qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
+                F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+
+        strided, contig = best_ms(lambda: run(False), 10), best_ms(lambda: run(True), 10)
+        rows.append({"part": "sdpa", "dtype": str(dt), "strided_ms": strided, "contiguous_ms": contig})
+        print(f"sdpa {dt}: 10 x 200-token causal prefills, strided {strided:.3f} ms, contiguous {contig:.3f} ms",
+              flush=True)
+    return rows
+
+
+def part_decode() -> list[dict[str, Any]]:
+    from services.worker.backends.cpu_paged import load_extension
+
+    kernel = load_extension()
+    rng = random.Random(0)
+    n, blocks, bs = 64, 1200, 16
+    rows = []
+    for dt in (BF16, torch.float32):
+        kc = torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt)
+        vc = torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt)
+        q = torch.randn(n, HEADS, HEAD_DIM).to(dt)
+        lens = torch.tensor([rng.randint(201, 264) for _ in range(n)], dtype=torch.int32)
+        table = torch.randperm(blocks)[: n * 17].view(n, 17).to(torch.int32).contiguous()
+        ms = best_ms(lambda: kernel.paged_decode(q, kc, vc, table, lens, HEAD_DIM**-0.5), 20)
+        rows.append({"part": "decode", "dtype": str(dt), "ms_per_layer": ms})
+        print(f"decode {dt}: cpu_paged, 64 requests, contexts 201-264: {ms:.3f} ms per layer", flush=True)
+    return rows
+
+
+def part_int8() -> list[dict[str, Any]]:
+    lp, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
+    rows = []
+    for out, inp in ((960, H), (2 * INTER, H), (H, INTER)):
+        w = torch.randn(out, inp).to(BF16)
+        scale = w.float().abs().amax(1) / 127
+        wq = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        pw, sc = pack(w, 64), scale.to(BF16)
+        for m in (1, 64, 2048):
+            x = torch.randn(m, inp).to(BF16)
+            n = 3 if m == 2048 else 50
+            bf = best_ms(lambda: lp(x, pw, None, "none", [], ""), n)
+            i8 = best_ms(lambda: torch._weight_int8pack_mm(x, wq, sc), n)
+            rows.append({"part": "int8", "shape": [out, inp], "m": m, "bf16_packed_ms": bf, "int8_weight_only_ms": i8})
+            print(f"int8 [{out}x{inp}] M={m}: bf16 packed {bf:.3f} ms, int8 weight-only {i8:.3f} ms", flush=True)
+    return rows
+
+
+def part_rate(rate: float = 2.0, num: int = 64) -> list[dict[str, Any]]:
+    from services.engine.offline import GATEWAY_ID, LLM, GenerationParams
+    from shared.messages import AddRequest
+
+    llm = LLM(dtype="bfloat16", num_threads=2, kv_cache_memory=1 << 30)
+    rng = random.Random(0)
+    params = GenerationParams(max_tokens=64, temperature=0, ignore_eos=True)
+    eos = llm.runner.eos_token_ids
+    llm.generate([[rng.randrange(100, 40000) for _ in range(200)]], GenerationParams(max_tokens=4, ignore_eos=True),
+                 decode=False)
+    reqs = [AddRequest(req_id=f"r{i}", gateway_id=GATEWAY_ID, sampling=params.sampling(), stop=params.stop_params(eos),
+                       prompt_token_ids=[rng.randrange(100, 40000) for _ in range(200)], arrival_time=time.time())
+            for i in range(num)]
+    sched, t0, i = llm.scheduler, time.perf_counter(), 0
+    arrived: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    steps: list[tuple[int, int, float]] = []
+    while i < num or sched.has_unfinished_requests():
+        while i < num and time.perf_counter() - t0 >= i / rate:
+            sched.add_request(reqs[i])
+            arrived[reqs[i].req_id] = time.perf_counter() - t0
+            i += 1
+        plan = sched.schedule()
+        if not plan.total_num_scheduled_tokens:
+            time.sleep(0.002)
+            continue
+        ts = time.perf_counter()
+        result = llm.runner.execute(plan)
+        steps.append((plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens), time.perf_counter() - ts))
+        sched.update_from_result(plan, result)
+        now = time.perf_counter() - t0
+        for deltas in sched.take_deltas().values():
+            for d in deltas:
+                if d.new_token_ids:
+                    first.setdefault(d.req_id, now)
+                if d.finish_reason:
+                    done[d.req_id] = now
+    ttft = sorted(first[r] - arrived[r] for r in arrived)
+    e2e = sorted(done[r] - arrived[r] for r in arrived)
+    pre = [s for s in steps if s[0] > s[1]]
+    dec = [s for s in steps if s[0] == s[1]]
+    row = {"part": "rate", "rate": rate, "ttft_p50_s": ttft[len(ttft) // 2], "ttft_p95_s": ttft[int(0.95 * len(ttft))],
+           "e2e_p50_s": e2e[len(e2e) // 2], "e2e_p95_s": e2e[int(0.95 * len(e2e))], "steps": len(steps),
+           "prefill_step_ms": statistics.mean(s[2] for s in pre) * 1e3,
+           "decode_step_ms": statistics.mean(s[2] for s in dec) * 1e3,
+           "decode_batch": statistics.mean(s[1] for s in dec)}
+    print(f"rate {rate}/s offline: TTFT p50 {row['ttft_p50_s']:.3f} s p95 {row['ttft_p95_s']:.3f} s; e2e p50 "
+          f"{row['e2e_p50_s']:.2f} s p95 {row['e2e_p95_s']:.2f} s; {len(pre)} prefill steps of "
+          f"{row['prefill_step_ms']:.0f} ms, {len(dec)} decode steps of {row['decode_step_ms']:.0f} ms "
+          f"(batch {row['decode_batch']:.1f})", flush=True)
+    return [row]
+
+
+PARTS: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "linear": part_linear, "sdpa": part_sdpa, "decode": part_decode, "int8": part_int8, "rate": part_rate,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.engine.bench_cpu_paths", description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="linear,sdpa,decode,int8")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows: list[dict[str, Any]] = []
+    for name in args.parts.split(","):
+        rows += PARTS[name.strip()]()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
