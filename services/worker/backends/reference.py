@@ -163,12 +163,8 @@ class ReferenceBackend(AttentionBackend):
                 kp = _gather(k_cache, span.block_ids)[:ctx].to(qp.dtype)
                 vp = _gather(v_cache, span.block_ids)[:ctx].to(qp.dtype)
                 mask, causal = span.mask, False
-            # Head-major copies: SDPA's CPU kernel on the token-major (strided) views ran
-            # 1.4x (bfloat16) to 4x (float32) slower than on contiguous inputs
-            # (10 x 200-token causal prefills, 9/3 heads of 64, 2 threads; docs/benchmarks.md).
             op = F.scaled_dot_product_attention(
-                qp.contiguous(), kp.transpose(0, 1).unsqueeze(0).contiguous(),
-                vp.transpose(0, 1).unsqueeze(0).contiguous(),
+                qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1,
             )
             out[span.start : span.end] = op[0].transpose(0, 1)
