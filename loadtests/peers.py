@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    if unknown := set(servers) - {"vllm", "ferry"}:
-        raise SystemExit(f"unknown servers {sorted(unknown)}; choose from vllm, ferry")
+    if unknown := set(servers) - {"vllm", "vllm-all-cores", "ferry"}:
+        raise SystemExit(f"unknown servers {sorted(unknown)}; choose from vllm, vllm-all-cores, ferry")
     dtypes = resolve_dtypes(args.dtypes)
     threads = args.threads or len(os.sched_getaffinity(0))
     meta: dict[str, Any] = {
