@@ -40,6 +40,7 @@ class PlanOptions:
     max_num_batched_tokens: int = 2048
     runtime_overhead_bytes: int = capacity.GPU_RUNTIME_OVERHEAD_BYTES
     tensor_parallel_size: int = 1  # devices one model is split across (each row: per device)
+    quantization: str = "none"  # "int8": the worker's --quantization int8 (float32 model, int8 linears)
 
 
 def safety_margin_bytes(spec: str, memory_bytes: int) -> int:
@@ -58,7 +59,10 @@ def _is_number(text: str) -> bool:
 def _memory_side(config: dict[str, Any], device: Device, opts: PlanOptions, dtype: str) -> dict[str, int]:
     """Weights, activations, overhead, margin and the KV budget (possibly negative before clamping),
     per device: with tensor parallelism ``config`` is one rank's and the weights are its share."""
-    weights = capacity.weight_bytes_per_rank(config, dtype, opts.tensor_parallel_size)
+    if opts.quantization == "int8":
+        weights = capacity.int8_weight_bytes(config)
+    else:
+        weights = capacity.weight_bytes_per_rank(config, dtype, opts.tensor_parallel_size)
     if device.kind == "cpu":
         # The worker's CPU cache is exactly --kv-cache-memory; weights live elsewhere in RAM.
         return {"weight_bytes": weights, "activation_peak_bytes": 0, "runtime_overhead_bytes": 0,
@@ -87,7 +91,8 @@ def decode_ceiling_tok_s(device: Device, weights: int, kv_per_token: int, batch:
 
 def plan_device(config: dict[str, Any], device: Device, opts: PlanOptions, throughput: float | None) -> dict[str, Any]:
     """One row of the plan: every number for one device."""
-    dtype = capacity.resolve_dtype(opts.dtype, device.kind)
+    # int8 dequantizes into a float32 model (services/worker/quantize.py): float32 whatever auto says
+    dtype = "float32" if opts.quantization == "int8" else capacity.resolve_dtype(opts.dtype, device.kind)
     kv_dtype = capacity.resolve_kv_dtype(opts.kv_cache_dtype, dtype)
     mem = _memory_side(config, device, opts, dtype)
     tp = opts.tensor_parallel_size
@@ -212,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices one model is split across: weights (projections), KV cache and "
                         "activations per device divide by it; the price multiplies by it")
+    p.add_argument("--quantization", default="none", choices=("none", "int8"),
+                   help="int8: the worker's --quantization int8 (CPU only; float32 model with int8 linear weights)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per device")
     return p
 
@@ -230,6 +237,12 @@ def options_from_args(args: argparse.Namespace, model: PlannedModel) -> PlanOpti
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1 (got {args.tensor_parallel_size})")
     capacity.tensor_parallel_config(model.config, args.tensor_parallel_size)  # divisible, as the worker needs
+    quantization = getattr(args, "quantization", "none")
+    if quantization == "int8":  # the worker refuses the same combinations before it starts
+        if args.tensor_parallel_size > 1:
+            raise ValueError("--quantization int8 does not combine with --tensor-parallel-size")
+        if args.dtype in ("bfloat16", "float16"):
+            raise ValueError(f"--quantization int8 runs a float32 model; --dtype {args.dtype} does not combine with it")
     max_len = args.max_model_len or capacity.model_shape(model.config).max_position_embeddings
     if max_len < 1:
         raise ValueError(f"--max-model-len must be positive (got {max_len})")
@@ -241,6 +254,7 @@ def options_from_args(args: argparse.Namespace, model: PlannedModel) -> PlanOpti
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         safety_margin=args.safety_margin, max_num_batched_tokens=args.max_num_batched_tokens,
         runtime_overhead_bytes=parse_bytes(args.runtime_overhead), tensor_parallel_size=args.tensor_parallel_size,
+        quantization=quantization,
     )
 
 
@@ -256,7 +270,10 @@ def run_plan(args: argparse.Namespace) -> tuple[PlannedModel, PlanOptions, list[
     rows = []
     for device in devices:
         tok_s = lookup(per_device, device)
-        rows.append(plan_device(model.config, device, opts, tok_s if tok_s is not None else default_tok_s))
+        row = plan_device(model.config, device, opts, tok_s if tok_s is not None else default_tok_s)
+        if opts.quantization == "int8" and device.kind != "cpu":
+            row["warnings"].append(f"{device.name}: --quantization int8 runs on the CPU only; the worker refuses it here")
+        rows.append(row)
     return model, opts, rows, notes + [w for r in rows for w in r["warnings"]]
 
 

@@ -277,6 +277,25 @@ def weight_bytes(config: Mapping[str, Any], dtype: str) -> int:
     return count_parameters(config).total * DTYPE_BYTES[normalize_dtype(dtype)]
 
 
+def int8_weight_bytes(config: Mapping[str, Any]) -> int:
+    """Bytes the weights take under ``--quantization int8`` (services/worker/quantize.py).
+
+    The model is float32 and every linear layer becomes a dynamic int8 linear: its
+    weight one byte per element (the LM head too, as its own int8 copy when it is tied
+    to the embedding), its bias still float32; embeddings and norms stay float32.
+    """
+    s = model_shape(config)
+    if s.num_experts:
+        raise ValueError("--quantization int8 is not planned for mixture-of-experts models")
+    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    mlp = (3 if s.gated_mlp else 2) * s.hidden_size * s.intermediate_size
+    body_linear = s.num_layers * (s.hidden_size * (q_out + 2 * kv_out) + q_out * s.hidden_size + mlp)
+    lm_head = s.vocab_size * s.hidden_size
+    counts = count_parameters(config)
+    floats = counts.total - body_linear - counts.lm_head
+    return body_linear + lm_head + floats * DTYPE_BYTES["float32"]
+
+
 def tensor_parallel_config(config: Mapping[str, Any], size: int) -> dict[str, Any]:
     """The config one tensor-parallel rank of ``size`` sees: 1/size of the attention heads,
     KV heads and MLP width, the same head size. ValueError when one of them does not divide."""

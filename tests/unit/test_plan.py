@@ -225,3 +225,30 @@ def test_tensor_parallel_2_llama3_8b_on_h100_by_hand(capsys: pytest.CaptureFixtu
     assert rc == 0 and rows[0]["kv_bytes_per_token"] == 65_536
     rc, _, err = run_json(["--model", model, "--devices", "h100", "--tensor-parallel-size", "3"], capsys)
     assert rc == 2 and "does not divide the model's attention heads (32)" in err
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # tied LM head and no biases; untied with q/k/v biases
+def test_int8_weights_equal_the_quantized_worker_model(kind: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`ferry plan --quantization int8` predicts the bytes the worker's int8 model really holds."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.worker.quantize import quantize_int8
+    from services.worker.runner import _weight_bytes
+    from tests.conftest import cached_tiny_model
+
+    folder = cached_tiny_model(kind)
+    config = json.loads((folder / "config.json").read_text())
+    model = quantize_int8(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    assert cap.int8_weight_bytes(config) == _weight_bytes(model)
+    rc, rows, _ = run_json(["--model", str(folder), "--quantization", "int8", "--devices", "cpu:64MiB",
+                            "--max-model-len", "1024"], capsys)
+    assert rc == 0 and rows[0]["weight_bytes"] == _weight_bytes(model)
+    # SmolLM2-135M by hand: 30 layers x (576 x (576 + 2 x 192) + 576 x 576 + 3 x 576 x 1536) int8 weights,
+    # its tied LM head as an int8 copy (49,152 x 576), and float32 embedding + 61 norms of 576.
+    smol = plan.load_planned_model("smollm2-135m-instruct").config
+    body, head = 30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536), 49152 * 576
+    assert cap.int8_weight_bytes(smol) == body + head + 4 * (head + 61 * 576) == 247_866_624
+    assert plan.main(["--model", str(folder), "--quantization", "int8", "--dtype", "bfloat16"]) == 2
+    assert "float32" in capsys.readouterr().err
