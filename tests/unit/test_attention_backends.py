@@ -157,3 +157,26 @@ def test_backend_in_half_precision(backend_name: str, dtype: torch.dtype, head_d
     assert out.dtype == dtype and out.shape == query.shape
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend_name", available_backends("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_many_decodes_at_real_head_sizes(backend_name: str, dtype: torch.dtype, head_dim: int) -> None:
+    """Enough decodes for cpu_paged's one-item-per-request kernel (>= 4 per thread), GQA 9:3."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        spec = [(1, n) for n in (1, 3, 4, 5, 8, 9, 12, 13, 2, 7, 6, 10)]  # 37 of the 40 blocks
+        data = _setup(spec, 9, 3, head_dim + 7, head_dim)
+        scale = head_dim**-0.5
+        query, key, value = (data[n].to(dtype) for n in ("query", "key", "value"))
+        contexts = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in data["contexts"]]
+        expected = _dense(spec, query.float(), contexts, scale)
+        backend = select_backend(backend_name, torch.device("cpu"))
+        k_cache, v_cache = data["k_cache"].to(dtype), data["v_cache"].to(dtype)
+        out = backend.forward(0, query, key, value, k_cache, v_cache, backend.prepare(data["batch"]), scale)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    finally:
+        torch.set_num_threads(threads)

@@ -187,6 +187,84 @@ static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const sc
     }
   });
 }
+// The same attention with one work item per request: each token's keys (every KV head,
+// one contiguous row of the block) are read in one pass and scored against all query
+// heads, so the cache is streamed block by block instead of once per KV head.
+template <typename scalar_t, int64_t NV>
+static void decode_kernel_avx512_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
+                                      const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
+                                      int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, double scale) {
+  constexpr int64_t HD = NV * 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * HD;
+  at::parallel_for(0, num_decodes, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qv(num_heads * NV), acc(num_heads * NV);
+    std::vector<float> scores, maxes(num_heads), tmp(HD);
+    const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t len = lens[n];
+      const int64_t padded = (len + 15) / 16 * 16;
+      const int32_t* table = bt + n * max_blocks;
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t v = 0; v < NV; ++v) qv[h * NV + v] = _mm512_mul_ps(load16(q + (n * num_heads + h) * HD + v * 16), sc);
+      scores.assign(num_heads * padded, -INFINITY);
+      std::fill(maxes.begin(), maxes.end(), -INFINITY);
+      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+        const scalar_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride;
+        const int64_t n_in = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n_in; ++j) {
+          const scalar_t* row = base + j * token_stride;
+          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+            __m512 kv[NV];
+            for (int64_t v = 0; v < NV; ++v) kv[v] = load16(row + kvh * HD + v * 16);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t h = kvh * group + g;
+              __m512 d = _mm512_mul_ps(qv[h * NV], kv[0]);
+              for (int64_t v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[h * NV + v], kv[v], d);
+              const float s = _mm512_reduce_add_ps(d);
+              scores[h * padded + t0 + j] = s;
+              maxes[h] = std::max(maxes[h], s);
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * padded;
+        const __m512 mx = _mm512_set1_ps(maxes[h]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 16) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
+          _mm512_storeu_ps(s + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+      }
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+        const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride;
+        const int64_t n_in = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n_in; ++j) {
+          const scalar_t* row = base + j * token_stride;
+          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+            __m512 vv[NV];
+            for (int64_t v = 0; v < NV; ++v) vv[v] = load16(row + kvh * HD + v * 16);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t h = kvh * group + g;
+              const __m512 pr = _mm512_set1_ps(scores[h * padded + t0 + j]);
+              for (int64_t v = 0; v < NV; ++v) acc[h * NV + v] = _mm512_fmadd_ps(pr, vv[v], acc[h * NV + v]);
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(tmp.data() + v * 16, acc[h * NV + v]);
+        scalar_t* o = out + (n * num_heads + h) * HD;
+        for (int64_t d = 0; d < HD; ++d) o[d] = static_cast<scalar_t>(tmp[d]);
+      }
+    }
+  });
+}
 #endif
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -212,8 +290,10 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
              block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
              num_heads, num_kv_heads, block_size, block_table.size(1), scale);
     };
-    if (head_dim == 64) return run_vec(decode_kernel_avx512<scalar_t, 4>);
-    if (head_dim == 128) return run_vec(decode_kernel_avx512<scalar_t, 8>);
+    // Enough requests to keep every thread busy: one item per request (see the _rows kernel).
+    const bool rows = num_decodes >= 4 * at::get_num_threads();
+    if (head_dim == 64) return run_vec(rows ? decode_kernel_avx512_rows<scalar_t, 4> : decode_kernel_avx512<scalar_t, 4>);
+    if (head_dim == 128) return run_vec(rows ? decode_kernel_avx512_rows<scalar_t, 8> : decode_kernel_avx512<scalar_t, 8>);
     if (head_dim == 256) return run_vec(decode_kernel_avx512<scalar_t, 16>);
     }
 #endif
