@@ -116,6 +116,19 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Softmax in place over one head's scores, padded to a multiple of 16 with -inf (exp gives 0).
+static inline void softmax16(float* s, int64_t padded, float max) {
+  const __m512 mx = _mm512_set1_ps(max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+}
+
 template <typename scalar_t, int64_t NV>  // NV = head_dim / 16
 static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
                                  const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
@@ -153,18 +166,7 @@ static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const sc
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * padded;
-        const __m512 mx = _mm512_set1_ps(maxes[g]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < padded; t += 16) {  // the padding holds -inf: exp gives 0
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
-          _mm512_storeu_ps(s + t, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-        for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
-      }
+      for (int64_t g = 0; g < group; ++g) softmax16(scores.data() + g * padded, padded, maxes[g]);
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
         const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * HD;
@@ -228,18 +230,7 @@ static void decode_kernel_avx512_rows(const scalar_t* q, const scalar_t* kc, con
           }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * padded;
-        const __m512 mx = _mm512_set1_ps(maxes[h]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < padded; t += 16) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
-          _mm512_storeu_ps(s + t, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-        for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
-      }
+      for (int64_t h = 0; h < num_heads; ++h) softmax16(scores.data() + h * padded, padded, maxes[h]);
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
         const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride;
