@@ -254,7 +254,12 @@ def test_silent_gateway_is_aborted_and_sigterm_stops_workers(harness: Harness) -
     assert "gateway gw-test silent" in tail(h.log, 20000)
     h.wait(lambda: h.stats is not None and h.stats.num_running == 0 and h.stats.kv_usage == 0.0, 5, "freed blocks")
     h.proc.send_signal(signal.SIGTERM)
-    msg = h.next_plan()
+    # A plan still on its way (the abort's flush) is answered as a worker would; then Shutdown.
+    # (The drain may take its whole grace, 10 s, when that plan is unanswered: wait past it.)
+    msg = h.next_plan(timeout_s=20.0)
+    while isinstance(msg, StepPlan):
+        h.answer(msg, pid=3001)
+        msg = h.next_plan(timeout_s=20.0)
     assert isinstance(msg, Shutdown)
     assert h.proc.wait(timeout=10) == 0
 
