@@ -176,6 +176,3 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) ->
             swapped += 1
     return swapped
 
-
-def packed_weight_bytes(module: nn.Module) -> int:
-    return sum(m.weight_nbytes for m in module.modules() if isinstance(m, PackedLinear))
