@@ -43,7 +43,6 @@ def test_packed_linear_is_bit_identical_in_bfloat16(bias: bool, shape: tuple[int
     out = packed(x)
     assert out.shape == (*shape[:-1], 40) and out.dtype == torch.bfloat16
     assert torch.equal(out, F.linear(x, lin.weight, lin.bias))
-    assert packed.weight_nbytes == 40 * 48 * 2
 
 
 def test_packing_is_off_for_float32_and_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
