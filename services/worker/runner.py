@@ -38,6 +38,7 @@ from .backends.build import build_paged_batch
 from .batch import BatchState, RequestState
 from .cuda_graphs import graph_batch_sizes, graph_memory_estimate, setup_decode_graphs
 from .cuda_staging import StepStaging
+from .fused_ops import fuse_elementwise
 from .kv_cache import KVCache, num_blocks_for_budget
 from .loader import load_model
 from .logits_processors import ConstraintTracker
@@ -110,6 +111,9 @@ class ModelRunner:
             self.lm_head = self.model.get_output_embeddings()
         if packed:
             log.info("%d linear layers on oneDNN-packed weights", packed)
+        fused_ops = fuse_elementwise(self.body, self.dtype, self.device)
+        if any(fused_ops.values()):
+            log.info("fused CPU ops: %s", ", ".join(f"{n} {k}" for k, n in fused_ops.items()))
         self.batch = BatchState(self.block_size)
         self.attn_backend = select_backend(config.attention_backend, self.device)
         log.info("attention backend: %s", self.attn_backend.name)

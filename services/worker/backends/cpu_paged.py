@@ -35,7 +35,9 @@ from .reference import ReferenceBackend, ReferenceMetadata, write_kv
 
 log = logging.getLogger("ferry.worker.backends")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp")  # both include csrc/vec512.h
+FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary", "fused_ops_available"]
 
 
 def _cpu_flags() -> str:
@@ -52,17 +54,19 @@ def _cpu_flags() -> str:
 
 @cache
 def load_extension() -> Any:
-    """Build (once per source and CPU) and load the C++ decode kernel."""
+    """Build (once per source and CPU) and load ferry's CPU kernels: the decode and the fused ops."""
     from torch.utils.cpp_extension import load_inline
 
-    source = SOURCE.read_text()
-    key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    sources = [p.read_text() for p in SOURCES]
+    header = (CSRC / "vec512.h").read_text()
+    key = hashlib.sha256(("".join(sources) + header + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
     t0 = time.monotonic()
     module = load_inline(
-        name=f"ferry_paged_decode_{key}", cpp_sources=[source], functions=["paged_decode"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+        name=f"ferry_cpu_kernels_{key}", cpp_sources=sources, functions=FUNCTIONS,
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(CSRC)], verbose=False,
     )
-    log.info("cpu_paged decode kernel ready in %.1fs", time.monotonic() - t0)
+    log.info("CPU kernels (paged decode, fused ops) ready in %.1fs", time.monotonic() - t0)
     return module
 
 
