@@ -100,15 +100,22 @@ class ModelRunner:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
         self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.dtype, config.device)
         self.kv_cache_bytes = self.kv.nbytes
-        # CPU, bfloat16: the decoder's linear layers multiply against oneDNN-packed weights
-        # (packed_linear.py); the LM head too unless it shares the embedding's weight.
+        # CPU, bfloat16: the decoder's linear layers and the LM head multiply against
+        # oneDNN-packed weights (packed_linear.py). A head tied to the embedding gets its own
+        # packed copy (SmolLM2: 57 MB more) for 1.3x at a decode batch of 64 and 1.8x for one
+        # decode (docs/benchmarks.md, "CPU worker speed on a quiet machine").
         fused = fuse_projections(self.body, self.dtype, self.device)
         packed = pack_linears(self.body, self.dtype, self.device)
         if fused:
             log.info("%d q/k/v and gate/up groups fused", fused)
-        if self.tp is None and self.lm_head.weight is not self.body.get_input_embeddings().weight:
-            packed += pack_linears(self.model, self.dtype, self.device)
-            self.lm_head = self.model.get_output_embeddings()
+        if self.tp is None:
+            tied = self.lm_head.weight is self.body.get_input_embeddings().weight
+            head_packed = pack_linears(self.model, self.dtype, self.device)
+            if head_packed:
+                packed += head_packed
+                self.lm_head = self.model.get_output_embeddings()
+                if tied:
+                    log.info("tied LM head packed as its own copy (%d bytes)", self.lm_head.packed.nbytes)
         if packed:
             log.info("%d linear layers on oneDNN-packed weights", packed)
         fused_ops = fuse_elementwise(self.body, self.dtype, self.device)
