@@ -162,13 +162,15 @@ def test_backend_in_half_precision(backend_name: str, dtype: torch.dtype, head_d
 @pytest.mark.parametrize("backend_name", available_backends("cpu"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_many_decodes_at_real_head_sizes(backend_name: str, dtype: torch.dtype, head_dim: int) -> None:
-    """Enough decodes for cpu_paged's one-item-per-request kernel (>= 4 per thread), GQA 9:3."""
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4), (8, 1)])
+def test_many_decodes_at_real_head_sizes(backend_name: str, dtype: torch.dtype, head_dim: int,
+                                         heads: tuple[int, int]) -> None:
+    """Enough decodes for cpu_paged's one-item-per-request kernel (>= 4 per thread), GQA, MQA, MHA."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         spec = [(1, n) for n in (1, 3, 4, 5, 8, 9, 12, 13, 2, 7, 6, 10)]  # 37 of the 40 blocks
-        data = _setup(spec, 9, 3, head_dim + 7, head_dim)
+        data = _setup(spec, heads[0], heads[1], head_dim + 7, head_dim)
         scale = head_dim**-0.5
         query, key, value = (data[n].to(dtype) for n in ("query", "key", "value"))
         contexts = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in data["contexts"]]
@@ -180,3 +182,41 @@ def test_many_decodes_at_real_head_sizes(backend_name: str, dtype: torch.dtype, 
         torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4), (14, 2)])
+def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, head_dim: int, heads: tuple[int, int]) -> None:
+    """cpu_paged's fresh-chunk kernel: several prompts (tile and key-block edges: 1, 15-17, 32-33, 200
+    tokens) packed behind two decode rows, q/k/v as strided views of one product, 2 threads."""
+    from services.worker.backends.cpu_paged import load_extension
+
+    try:
+        kernel = load_extension()
+    except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
+        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
+    if not kernel.prefill_attention_available():
+        pytest.skip("built without AVX-512")
+    num_heads, kv_heads = heads
+    lens = [17, 1, 200, 33, 16, 15, 32]
+    total = 2 + sum(lens)
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    qkv = torch.randn(total, (num_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(total, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + kv_heads) * head_dim].view(total, kv_heads, head_dim)
+    v = qkv[:, (num_heads + kv_heads) * head_dim :].view(total, kv_heads, head_dim)
+    starts = np.cumsum([2] + lens)
+    spans = torch.tensor([[int(a), int(b)] for a, b in zip(starts[:-1], starts[1:], strict=True)], dtype=torch.int64)
+    out = torch.full((total, num_heads, head_dim), 7.0, dtype=dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kernel.prefill_attention(q, k, v, out, spans, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.all(out[:2] == 7.0)  # rows outside the spans are left alone
+    expected = _dense([(n, n) for n in lens], q[2:].float(), [(k[a:b].float(), v[a:b].float()) for a, b in
+                                                            spans.tolist()], head_dim**-0.5)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(out[2:].float(), expected, rtol=tol, atol=tol)

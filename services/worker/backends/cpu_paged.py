@@ -6,9 +6,12 @@ in every layer (``index_select``) and then runs SDPA over the copy, so the cache
 read twice and written once, and SDPA's kernel is slow on the gathered (strided)
 layout. Here the decodes (the first ``num_decodes`` tokens of the step) go through
 ``csrc/paged_decode.cpp``, which walks each request's block table and reads each key
-and value once, accumulating in float32. Multi-token chunks stay on the reference's
-SDPA path (a fresh prefill never touches the cache; a cached-prefix chunk gathers
-its blocks once per layer, which is rare).
+and value once, accumulating in float32. Multi-token chunks that start a prompt
+(no cached prefix) attend to their own keys through ``csrc/prefill_attention.cpp``
+in bfloat16/float16 (a flash-style causal kernel with tiles sized for prompts of a few
+hundred tokens, ~2x PyTorch's CPU flash kernel there); in float32, and for chunks
+with a cached prefix (chunked prefill, prefix-cache hits: they gather their blocks
+once per layer), the reference's SDPA path.
 
 The extension is compiled on first use with the machine's own instruction set
 (``-march=native``) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -31,13 +35,14 @@ from typing import Any
 import torch
 
 from . import PagedBatch, register_backend
-from .reference import ReferenceBackend, ReferenceMetadata, write_kv
+from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata, write_kv
 
 log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp")  # both include csrc/vec512.h
-FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary", "fused_ops_available"]
+SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp"))  # + vec512.h
+FUNCTIONS = ["paged_decode", "prefill_attention", "prefill_attention_available", "rms_norm", "silu_and_mul", "rotary",
+             "fused_ops_available"]
 
 
 def _cpu_flags() -> str:
@@ -72,10 +77,16 @@ def load_extension() -> Any:
 
 @dataclass
 class CpuPagedMetadata:
-    chunks: ReferenceMetadata  # slot mapping and the multi-token chunks
+    chunks: ReferenceMetadata  # slot mapping and the multi-token chunks left to SDPA (cached prefix)
     num_decodes: int
     block_table: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [num_decodes] int32
+    fresh_spans: torch.Tensor | None = None  # [S, 2] int64 (start, end): chunks with no cached prefix
+
+
+def prefill_kernel_enabled() -> bool:
+    """``FERRY_CPU_PREFILL_KERNEL=0`` sends fresh chunks to SDPA too (for A/B runs)."""
+    return os.environ.get("FERRY_CPU_PREFILL_KERNEL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class CpuPagedBackend(ReferenceBackend):
@@ -84,10 +95,17 @@ class CpuPagedBackend(ReferenceBackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.kernel = load_extension()
+        self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
         chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
         self._prefill_spans(chunks, batch)
+        fresh = None
+        if self.prefill_kernel and chunks.prefills:
+            spans = [(p.start, p.end) for p in chunks.prefills if p.num_computed == 0]
+            if spans:
+                fresh = torch.tensor(spans, dtype=torch.int64)
+                chunks.prefills = [p for p in chunks.prefills if p.num_computed > 0]
         nd = batch.num_decodes
         max_blocks = -(-max(batch.seq_lens_cpu[:nd], default=1) // batch.block_size)
         return CpuPagedMetadata(
@@ -95,6 +113,7 @@ class CpuPagedBackend(ReferenceBackend):
             num_decodes=nd,
             block_table=batch.block_table[:nd, :max_blocks].contiguous(),
             seq_lens=batch.seq_lens[:nd].contiguous(),
+            fresh_spans=fresh,
         )
 
     def forward(  # type: ignore[override]
@@ -116,6 +135,11 @@ class CpuPagedBackend(ReferenceBackend):
             return decoded.to(query.dtype)
         out = query.new_empty(query.shape)
         out[:nd] = decoded
+        if metadata.fresh_spans is not None and query.shape[-1] in (64, 128) and query.dtype != torch.float32:
+            self.kernel.prefill_attention(query, key, value, out, metadata.fresh_spans, scale)
+        elif metadata.fresh_spans is not None:  # float32 (token-exact with transformers) or another head size
+            fresh = [PrefillSpan(int(a), int(b), 0, None, None) for a, b in metadata.fresh_spans.tolist()]
+            self._prefills_forward(query, key, value, k_cache, v_cache, fresh, scale, out)
         self._prefills_forward(query, key, value, k_cache, v_cache, metadata.chunks.prefills, scale, out)
         return out
 

@@ -1,0 +1,195 @@
+// Causal attention of fresh prompt chunks (no cached prefix) on the CPU, flash style.
+//
+// A step's multi-token chunks that start at position 0 attend only to their own keys,
+// which are in the step's own key/value tensors: no cache read. PyTorch's CPU flash
+// kernel did this at ~55 GFLOP/s on 200-token prompts with 64-wide heads (its tiles are
+// made for long sequences; docs/benchmarks.md "CPU worker speed on a quiet machine").
+// Here one work item is (chunk, KV head, 16 query tokens): the item's query rows (16
+// tokens x the KV head's query heads, e.g. 48 rows for SmolLM2's 3) are scored against
+// 32 keys at a time from a transposed float32 copy of the key tile (4 rows x 32 keys of
+// register accumulators, every key load shared by 4 rows), with an online softmax and the
+// value tile accumulated the same way. Key tiles past a query tile's last token are never
+// read (causal). Items go to threads in a zigzag order of query tiles so each thread gets
+// as many late (long) tiles as early (short) ones.
+//
+// All in float32, any token/head strides (head_dim contiguous); the output is written
+// into the step's output tensor at the chunks' rows.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include "vec512.h"
+
+namespace {
+constexpr int64_t BQ = 16;  // query tokens per work item
+constexpr int64_t BK = 32;  // keys per tile (two vectors of scores)
+
+template <typename scalar_t, int64_t NV>
+void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_t* k, int64_t k_st, int64_t k_sh,
+                    const scalar_t* v, int64_t v_st, int64_t v_sh, scalar_t* out, const int64_t* spans,
+                    int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, float scale) {
+  constexpr int64_t D = NV * 16;
+  const int64_t G = num_heads / num_kv_heads;
+  const int64_t rows_max = (BQ * G + 3) / 4 * 4;
+  struct Item { int64_t start, len, kvh, q0; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t start = spans[2 * s], len = spans[2 * s + 1] - spans[2 * s];
+    const int64_t tiles = (len + BQ - 1) / BQ;
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+      for (int64_t z = 0; z < tiles; ++z) {  // zigzag: 0, n-1, 1, n-2, ...
+        const int64_t tile = (z % 2 == 0) ? z / 2 : tiles - 1 - z / 2;
+        items.push_back({start, len, kvh, tile * BQ});
+      }
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
+    std::vector<float> m(rows_max), l(rows_max);
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& item = items[it];
+      const int64_t nq = std::min(BQ, item.len - item.q0);
+      const int64_t R = nq * G, Rp = (R + 3) / 4 * 4;
+      // query rows r = i * G + g (token i of the tile, head g of the KV head's group), pre-scaled
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const scalar_t* src = q + (item.start + item.q0 + i) * q_st + (item.kvh * G + g) * q_sh;
+          float* dst = Qf.data() + (i * G + g) * D;
+          for (int64_t vv = 0; vv < NV; ++vv)
+            _mm512_storeu_ps(dst + vv * 16, _mm512_mul_ps(load16(src + vv * 16), _mm512_set1_ps(scale)));
+        }
+      std::fill(Qf.begin() + R * D, Qf.begin() + Rp * D, 0.f);
+      std::fill(O.begin(), O.begin() + Rp * D, 0.f);
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t kend = item.q0 + nq;  // keys [0, kend) of the chunk; the tile's last token sees them all
+      for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+        const int64_t kn = std::min(BK, kend - k0);
+        // key tile transposed to [D][BK], value tile as [BK][D], both float32, zero past kn
+        std::fill(Kt.begin(), Kt.end(), 0.f);
+        for (int64_t c = 0; c < kn; ++c) {
+          const scalar_t* kr = k + (item.start + k0 + c) * k_st + item.kvh * k_sh;
+          const scalar_t* vr = v + (item.start + k0 + c) * v_st + item.kvh * v_sh;
+          alignas(64) float tmp[D];
+          for (int64_t vv = 0; vv < NV; ++vv) {
+            _mm512_store_ps(tmp + vv * 16, load16(kr + vv * 16));
+            _mm512_storeu_ps(Vf.data() + c * D + vv * 16, load16(vr + vv * 16));
+          }
+          for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
+        }
+        std::fill(Vf.begin() + kn * D, Vf.end(), 0.f);
+        // S = Q K^T: four rows x 32 keys per pass
+        for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
+          __m512 a[4][2];
+          for (auto& row : a) row[0] = row[1] = _mm512_setzero_ps();
+          const float* qr = Qf.data() + r0 * D;
+          for (int64_t d = 0; d < D; ++d) {
+            const __m512 k0v = _mm512_loadu_ps(Kt.data() + d * BK), k1v = _mm512_loadu_ps(Kt.data() + d * BK + 16);
+            for (int64_t rr = 0; rr < 4; ++rr) {
+              const __m512 qb = _mm512_set1_ps(qr[rr * D + d]);
+              a[rr][0] = _mm512_fmadd_ps(qb, k0v, a[rr][0]);
+              a[rr][1] = _mm512_fmadd_ps(qb, k1v, a[rr][1]);
+            }
+          }
+          for (int64_t rr = 0; rr < 4; ++rr) {
+            _mm512_storeu_ps(S.data() + (r0 + rr) * BK, a[rr][0]);
+            _mm512_storeu_ps(S.data() + (r0 + rr) * BK + 16, a[rr][1]);
+          }
+        }
+        // causal mask and online softmax, row by row
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t last = std::min(kn, item.q0 + r / G - k0 + 1);  // keys [0, last) of the tile are visible
+          float* sr = S.data() + r * BK;
+          __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
+          const __mmask16 v0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last)));
+          const __mmask16 v1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last - 16)));
+          s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v0, s0);
+          s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v1, s1);
+          const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+          const float alpha = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first tile
+          const __m512 mxv = _mm512_set1_ps(mx);
+          const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mxv)));
+          const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mxv)));
+          _mm512_storeu_ps(sr, p0);
+          _mm512_storeu_ps(sr + 16, p1);
+          l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+          m[r] = mx;
+          if (alpha != 1.f) {
+            const __m512 av = _mm512_set1_ps(alpha);
+            float* orow = O.data() + r * D;
+            for (int64_t vv = 0; vv < NV; ++vv)
+              _mm512_storeu_ps(orow + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(orow + vv * 16), av));
+          }
+        }
+        // O += P V: two rows per pass, the value row loaded once for both
+        for (int64_t r0 = 0; r0 < R; r0 += 2) {
+          const int64_t nr = std::min<int64_t>(2, R - r0);
+          __m512 acc[2][NV];
+          for (int64_t rr = 0; rr < 2; ++rr)
+            for (int64_t vv = 0; vv < NV; ++vv)
+              acc[rr][vv] = rr < nr ? _mm512_loadu_ps(O.data() + (r0 + rr) * D + vv * 16) : _mm512_setzero_ps();
+          for (int64_t c = 0; c < kn; ++c) {
+            __m512 vrow[NV];
+            for (int64_t vv = 0; vv < NV; ++vv) vrow[vv] = _mm512_loadu_ps(Vf.data() + c * D + vv * 16);
+            for (int64_t rr = 0; rr < 2; ++rr) {
+              const __m512 p = _mm512_set1_ps(S[(r0 + rr) * BK + c]);
+              for (int64_t vv = 0; vv < NV; ++vv) acc[rr][vv] = _mm512_fmadd_ps(p, vrow[vv], acc[rr][vv]);
+            }
+          }
+          for (int64_t rr = 0; rr < nr; ++rr)
+            for (int64_t vv = 0; vv < NV; ++vv) _mm512_storeu_ps(O.data() + (r0 + rr) * D + vv * 16, acc[rr][vv]);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = r / G, g = r % G;
+        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        alignas(64) float tmp[D];
+        for (int64_t vv = 0; vv < NV; ++vv)
+          _mm512_store_ps(tmp + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + vv * 16), inv));
+        scalar_t* dst = out + ((item.start + item.q0 + i) * num_heads + item.kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(tmp[d]);
+      }
+    }
+  });
+}
+}  // namespace
+
+// query [T, H, D], key/value [T, KH, D] (any token/head strides, D contiguous); out [T, H, D]
+// contiguous; spans [S, 2] int64 (start, end) of chunks attending causally to their own keys.
+void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor out,
+                       torch::Tensor spans, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && out.dim() == 3, "[tokens, heads, dim]");
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1 && out.is_contiguous(),
+              "head_dim contiguous, out contiguous");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type() &&
+              out.scalar_type() == query.scalar_type(), "one dtype");
+  TORCH_CHECK(spans.scalar_type() == torch::kInt64 && spans.is_contiguous() && spans.dim() == 2 && spans.size(1) == 2,
+              "spans: [S, 2] int64");
+  const int64_t heads = query.size(1), kv_heads = key.size(1), dim = query.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && key.size(2) == dim && value.size(2) == dim, "head shapes");
+  TORCH_CHECK(dim == 64 || dim == 128, "head_dim 64 or 128");
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    auto kernel = dim == 64 ? prefill_kernel<scalar_t, 4> : prefill_kernel<scalar_t, 8>;
+    kernel(query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), key.data_ptr<scalar_t>(), key.stride(0),
+           key.stride(1), value.data_ptr<scalar_t>(), value.stride(0), value.stride(1), out.data_ptr<scalar_t>(),
+           spans.data_ptr<int64_t>(), spans.size(0), heads, kv_heads, static_cast<float>(scale));
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: return run(float{});
+    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kHalf: return run(c10::Half{});
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16");
+  }
+}
+bool prefill_attention_available() { return true; }
+#else
+void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double) {
+  TORCH_CHECK(false, "built without AVX-512");
+}
+bool prefill_attention_available() { return false; }
+#endif
