@@ -48,7 +48,7 @@ def fused_ops_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and setting not in ("0", "false", "no", "off")
 
 
-def _kernels() -> Any | None:
+def kernels() -> Any | None:
     """The compiled ops, or None (no compiler, no AVX-512)."""
     try:
         from .backends.cpu_paged import load_extension
@@ -155,8 +155,8 @@ def fuse_elementwise(model: nn.Module, dtype: torch.dtype, device: torch.device)
     counts = {"rms_norm": 0, "silu_mlp": 0, "rotary": 0}
     if not fused_ops_enabled(dtype, device):
         return counts
-    kernels = _kernels()
-    if kernels is None:
+    ops = kernels()
+    if ops is None:
         return counts
     rotary_modules: dict[str, int] = {}
     for parent in list(model.modules()):
@@ -166,7 +166,7 @@ def fuse_elementwise(model: nn.Module, dtype: torch.dtype, device: torch.device)
             if kind in NORMS and isinstance(weight, torch.Tensor) and hasattr(child, "variance_epsilon"):
                 if weight.dtype != torch.bfloat16 or weight.shape[-1] % 16:
                     continue
-                fused_norm = FusedRMSNorm(child, kernels)
+                fused_norm = FusedRMSNorm(child, ops)
                 x = _probe(5, weight.shape[-1]) * 3
                 with torch.inference_mode():
                     if not _close(fused_norm(x), child(x)):
@@ -177,7 +177,7 @@ def fuse_elementwise(model: nn.Module, dtype: torch.dtype, device: torch.device)
             elif kind in MLPS and _fusable_mlp(child):
                 head, down = child.gate_proj, child.down_proj
                 assert isinstance(head, FusedHead) and isinstance(down, nn.Module)
-                fused_mlp = FusedSiluMLP(head.fused, down, head.sizes[0], kernels)
+                fused_mlp = FusedSiluMLP(head.fused, down, head.sizes[0], ops)
                 x = _probe(5, head.in_features or 0)
                 with torch.inference_mode():
                     if not _close(fused_mlp(x), child(x)):
@@ -189,7 +189,7 @@ def fuse_elementwise(model: nn.Module, dtype: torch.dtype, device: torch.device)
             if hasattr(child, "q_proj") and isinstance(head_dim, int):
                 rotary_modules[type(child).__module__] = head_dim
     for module_name, head_dim in rotary_modules.items():
-        counts["rotary"] += int(_patch_rotary(module_name, kernels, head_dim))
+        counts["rotary"] += int(_patch_rotary(module_name, ops, head_dim))
     return counts
 
 

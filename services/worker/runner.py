@@ -39,7 +39,9 @@ from .batch import BatchState, RequestState
 from .cuda_graphs import graph_batch_sizes, graph_memory_estimate, setup_decode_graphs
 from .cuda_staging import StepStaging
 from .fused_ops import fuse_elementwise
+from .fused_ops import kernels as fused_kernels
 from .kv_cache import KVCache, num_blocks_for_budget
+from .lean_forward import LeanDecoder
 from .loader import load_model
 from .logits_processors import ConstraintTracker
 from .packed_linear import fuse_projections, pack_linears
@@ -119,8 +121,12 @@ class ModelRunner:
         if packed:
             log.info("%d linear layers on oneDNN-packed weights", packed)
         fused_ops = fuse_elementwise(self.body, self.dtype, self.device)
+        self.lean: LeanDecoder | None = None
         if any(fused_ops.values()):
             log.info("fused CPU ops: %s", ", ".join(f"{n} {k}" for k, n in fused_ops.items()))
+            if self.tp is None:
+                self.lean = LeanDecoder.build(self.body, fused_kernels())
+                log.info("lean forward: %s", "on" if self.lean else "off (not every layer fused)")
         self.batch = BatchState(self.block_size)
         self.attn_backend = select_backend(config.attention_backend, self.device)
         log.info("attention backend: %s", self.attn_backend.name)
@@ -197,10 +203,13 @@ class ModelRunner:
                 if packed.sample_states:
                     logits = all_logits.index_select(0, packed.sample_token_idx)
             else:
-                out = self.body(input_ids=packed.input_ids, position_ids=packed.positions, use_cache=False,
-                                ferry_meta=packed.attention)
+                if self.lean is not None:
+                    last = self.lean(packed.input_ids, packed.positions, packed.attention)
+                else:
+                    last = self.body(input_ids=packed.input_ids, position_ids=packed.positions, use_cache=False,
+                                     ferry_meta=packed.attention).last_hidden_state
                 if packed.sample_states:
-                    hidden = out.last_hidden_state[0].index_select(0, packed.sample_token_idx)
+                    hidden = last[0].index_select(0, packed.sample_token_idx)
                     logits = self.lm_head(hidden)  # [num_sampling, vocab]
         t1 = time.perf_counter()
         for req_id, num in plan.num_scheduled_tokens.items():

@@ -1,0 +1,110 @@
+"""The lean CPU forward (services/worker/lean_forward.py) against transformers' own.
+
+A random bfloat16 Llama, Mistral and Qwen2 (q/k/v biases), every swap of packed_linear
+and fused_ops made: two steps through ferry's paged attention (two fresh prompts, then
+their decodes beside a third prompt's first chunk), each through the model's forward
+and through the lean one on its own copy of the cache. The hidden states must be equal
+bit for bit, and so must the keys and values written. Where a piece is not fused, or
+the architecture differs, the lean forward must decline.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from services.worker import fused_ops
+from services.worker.attention import ATTN_IMPLEMENTATION, StepAttention, register_paged_attention
+from services.worker.backends import select_backend
+from services.worker.backends.build import build_paged_batch
+from services.worker.kv_cache import KVCache
+from services.worker.lean_forward import LeanDecoder
+from services.worker.packed_linear import fuse_projections, pack_linears
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+BLOCK = 4
+
+
+def _model(kind: str, **overrides: object):  # noqa: ANN202
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    register_paged_attention()
+    cfg = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, vocab_size=300,
+               tie_word_embeddings=True)
+    cfg.update(overrides)
+    config = AutoConfig.for_model(kind, **cfg)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config, dtype=BF16, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    return model, config
+
+
+def _fuse(body: torch.nn.Module) -> None:
+    fuse_projections(body, BF16, CPU)
+    pack_linears(body, BF16, CPU)
+    fused_ops.fuse_elementwise(body, BF16, CPU)
+
+
+def _steps() -> list[tuple[list[int], list[int], list[list[int]]]]:
+    """(query lens, context lens, block ids) per step: two prompts (7 and 5 tokens), then their
+    decodes and the first 6-token chunk of a third prompt."""
+    tables = [[0, 1], [2, 3], [4, 5]]
+    return [([7, 5], [7, 5], tables[:2]), ([1, 1, 6], [8, 6, 6], tables)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
+def test_lean_forward_equals_the_models_forward(kind: str, backend_name: str) -> None:
+    if fused_ops.kernels() is None or not torch.backends.mkldnn.is_available():
+        pytest.skip("no fused CPU kernels (compiler, AVX-512) or no oneDNN: there is no lean forward here")
+    try:
+        backend = select_backend(backend_name, CPU)
+    except Exception as exc:  # noqa: BLE001 - cpu_paged without a compiler
+        pytest.skip(f"{backend_name} unavailable: {exc}")
+    model, config = _model(kind)
+    body = model.get_decoder()
+    _fuse(body)
+    lean = LeanDecoder.build(body, fused_ops.kernels())
+    assert lean is not None
+    caches = {name: KVCache.allocate(config.to_dict(), 8, BLOCK, BF16, "cpu") for name in ("model", "lean")}
+    gen = torch.Generator().manual_seed(7)
+    for query_lens, seq_lens, tables in _steps():
+        batch, positions = build_paged_batch(query_lens, seq_lens, tables, BLOCK, 256, CPU)
+        ids = torch.randint(0, 300, (1, sum(query_lens)), generator=gen)
+        pos = torch.from_numpy(positions).unsqueeze(0)
+        meta = backend.prepare(batch)
+        with torch.inference_mode():
+            want = body(input_ids=ids, position_ids=pos, use_cache=False,
+                        ferry_meta=StepAttention(backend, meta, caches["model"].caches, 256)).last_hidden_state
+            got = lean(ids, pos, StepAttention(backend, meta, caches["lean"].caches, 256))
+        assert got.shape == want.shape == (1, sum(query_lens), config.hidden_size)
+        assert torch.equal(got, want)
+    for (k1, v1), (k2, v2) in zip(caches["model"].caches, caches["lean"].caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert k1.abs().sum() > 0  # the steps did write keys
+
+
+def test_lean_forward_declines_what_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = fused_ops.kernels()
+    if ops is None or not torch.backends.mkldnn.is_available():
+        pytest.skip("no fused CPU kernels or no oneDNN")
+    model, _ = _model("llama")
+    body = model.get_decoder()
+    assert LeanDecoder.build(body, ops) is None  # nothing fused yet
+    assert LeanDecoder.build(body, None) is None
+    fused = copy.deepcopy(body)
+    _fuse(fused)
+    assert LeanDecoder.build(fused, ops) is not None
+    partial = copy.deepcopy(body)
+    fuse_projections(partial, BF16, CPU)  # q/k/v fused, but norms and MLP left as they were
+    assert LeanDecoder.build(partial, ops) is None
+    monkeypatch.setenv("FERRY_CPU_LEAN_FORWARD", "0")
+    assert LeanDecoder.build(fused, ops) is None
+    monkeypatch.delenv("FERRY_CPU_LEAN_FORWARD")
+    qwen3, _ = _model("qwen3")  # per-head q/k norms before RoPE: not the plain layer
+    qbody = qwen3.get_decoder()
+    _fuse(qbody)
+    assert LeanDecoder.build(qbody, ops) is None
