@@ -6,10 +6,14 @@ busy machine use ``bench_parts``' process CPU times instead).
 
 - ``linear``: the model's products at M = 1, 16, 64, 2048 in bfloat16: ``F.linear``,
   oneDNN-packed (``packed_linear.PackedLinear``), and q/k/v + gate/up fused and packed.
-- ``sdpa``: a 2,048-token prefill step (10 x 200-token causal prompts, 9/3 heads of 64):
-  SDPA on the token-major (strided) views the runner had, and on contiguous copies.
+- ``sdpa``: a 2,000-token prefill step (10 x 200-token causal prompts, 9/3 heads of 64):
+  SDPA on the token-major (strided) views the runner had, on contiguous copies, and
+  ``cpu_paged``'s prefill kernel (``csrc/prefill_attention.cpp``) on the strided views.
 - ``decode``: the ``cpu_paged`` decode kernel at the common load's decode shape (64
   requests, contexts 201-264, shuffled blocks), bfloat16 and float32.
+- ``fused``: transformers' bfloat16 RMSNorm, rotary embedding and ``silu(gate) * up``
+  against ferry's fused kernels (``services/worker/fused_ops.py``) at M = 64 and 2048.
+- ``lmhead``: the tied LM head (49,152 x 576) at M = 1, 8, 64: ``F.linear`` and packed.
 - ``int8``: weight-only int8 (``torch._weight_int8pack_mm``) against packed bfloat16.
 - ``rate``: the offline engine fed the common load's 64 prompts at 2 requests/s in real
   time (what ``ferry serve`` sees at 2/s, without HTTP): TTFT and end-to-end
@@ -17,7 +21,7 @@ busy machine use ``bench_parts``' process CPU times instead).
   libgomp reads ``GOMP_SPINCOUNT`` / ``OMP_WAIT_POLICY`` at start, so compare those by
   running this once per setting.
 
-    python -m services.engine.bench_cpu_paths --parts linear,sdpa,decode,int8,rate --out results/cpu-paths.json
+    python -m services.engine.bench_cpu_paths --parts linear,sdpa,decode,fused,lmhead,int8,rate --out results/cpu-paths.json
 """
 
 # ruff: noqa: B023 - every closure is timed and dropped within its own loop iteration
@@ -71,12 +75,17 @@ def part_linear() -> list[dict[str, Any]]:
 
 
 def part_sdpa() -> list[dict[str, Any]]:
+    from services.worker.backends.cpu_paged import load_extension
+
+    kernel = load_extension()
     rows = []
     s, b = 200, 10
+    spans = torch.tensor([[i * s, (i + 1) * s] for i in range(b)], dtype=torch.int64)
     for dt in (BF16, torch.float32):
         q = torch.randn(b * s, HEADS, HEAD_DIM).to(dt)
         k = torch.randn(b * s, KV_HEADS, HEAD_DIM).to(dt)
         v = torch.randn(b * s, KV_HEADS, HEAD_DIM).to(dt)
+        out = torch.empty_like(q)
 
         def run(contiguous: bool) -> None:
             for i in range(b):
@@ -87,9 +96,11 @@ def part_sdpa() -> list[dict[str, Any]]:
                 F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
 
         strided, contig = best_ms(lambda: run(False), 10), best_ms(lambda: run(True), 10)
-        rows.append({"part": "sdpa", "dtype": str(dt), "strided_ms": strided, "contiguous_ms": contig})
-        print(f"sdpa {dt}: 10 x 200-token causal prefills, strided {strided:.3f} ms, contiguous {contig:.3f} ms",
-              flush=True)
+        ours = best_ms(lambda: kernel.prefill_attention(q, k, v, out, spans, HEAD_DIM**-0.5), 10)
+        rows.append({"part": "sdpa", "dtype": str(dt), "strided_ms": strided, "contiguous_ms": contig,
+                     "prefill_kernel_ms": ours})
+        print(f"sdpa {dt}: 10 x 200-token causal prefills, SDPA strided {strided:.3f} ms, contiguous {contig:.3f} ms; "
+              f"cpu_paged prefill kernel {ours:.3f} ms ({strided / ours:.2f}x)", flush=True)
     return rows
 
 
@@ -109,6 +120,51 @@ def part_decode() -> list[dict[str, Any]]:
         ms = best_ms(lambda: kernel.paged_decode(q, kc, vc, table, lens, HEAD_DIM**-0.5), 20)
         rows.append({"part": "decode", "dtype": str(dt), "ms_per_layer": ms})
         print(f"decode {dt}: cpu_paged, 64 requests, contexts 201-264: {ms:.3f} ms per layer", flush=True)
+    return rows
+
+
+def part_fused() -> list[dict[str, Any]]:
+    from transformers.models.llama import modeling_llama
+
+    from services.worker.backends.cpu_paged import load_extension
+
+    kernel = load_extension()
+    rope = getattr(modeling_llama.apply_rotary_pos_emb, "ferry_original", modeling_llama.apply_rotary_pos_emb)
+    norm = modeling_llama.LlamaRMSNorm(H, eps=1e-5).to(BF16)
+    rows = []
+    for m in (64, 2048):
+        n = 20 if m == 2048 else 200
+        x = torch.randn(m, H).to(BF16)
+        gu = torch.randn(m, 2 * INTER).to(BF16)
+        qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(BF16)
+        q = qkv[:, : HEADS * HEAD_DIM].view(1, m, HEADS, HEAD_DIM).transpose(1, 2)
+        k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(1, m, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        angles = torch.rand(1, m, HEAD_DIM) * 100
+        cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+        with torch.inference_mode():
+            cases = {
+                "rms_norm": (lambda: norm(x), lambda: kernel.rms_norm(x, norm.weight, 1e-5)),
+                "silu_and_mul": (lambda: F.silu(gu[:, :INTER]) * gu[:, INTER:], lambda: kernel.silu_and_mul(gu)),
+                "rotary": (lambda: rope(q, k, cos, sin),
+                           lambda: kernel.rotary(q[0].transpose(0, 1), k[0].transpose(0, 1), cos[0], sin[0])),
+            }
+            for name, (hf, fused) in cases.items():
+                a, b = best_ms(hf, n), best_ms(fused, n)
+                rows.append({"part": "fused", "op": name, "m": m, "transformers_ms": a, "fused_ms": b})
+                print(f"fused {name} M={m}: transformers {a:.3f} ms, fused {b:.3f} ms ({a / b:.2f}x)", flush=True)
+    return rows
+
+
+def part_lmhead() -> list[dict[str, Any]]:
+    lp, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
+    w = torch.randn(49152, H).to(BF16)
+    pw = pack(w, 64)
+    rows = []
+    for m in (1, 8, 64):
+        x = torch.randn(m, H).to(BF16)
+        plain, packed = best_ms(lambda: F.linear(x, w), 20), best_ms(lambda: lp(x, pw, None, "none", [], ""), 20)
+        rows.append({"part": "lmhead", "m": m, "f_linear_ms": plain, "packed_ms": packed})
+        print(f"lmhead M={m}: F.linear {plain:.2f} ms, packed {packed:.2f} ms ({plain / packed:.2f}x)", flush=True)
     return rows
 
 
@@ -185,7 +241,8 @@ def part_rate(rate: float = 2.0, num: int = 64) -> list[dict[str, Any]]:
 
 
 PARTS: dict[str, Callable[[], list[dict[str, Any]]]] = {
-    "linear": part_linear, "sdpa": part_sdpa, "decode": part_decode, "int8": part_int8, "rate": part_rate,
+    "linear": part_linear, "sdpa": part_sdpa, "decode": part_decode, "fused": part_fused,
+    "lmhead": part_lmhead, "int8": part_int8, "rate": part_rate,
 }
 
 
