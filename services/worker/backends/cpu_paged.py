@@ -71,7 +71,7 @@ def load_extension() -> Any:
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(CSRC)], verbose=False,
     )
-    log.info("CPU kernels (paged decode, fused ops) ready in %.1fs", time.monotonic() - t0)
+    log.info("CPU kernels (paged decode, prefill attention, fused ops) ready in %.1fs", time.monotonic() - t0)
     return module
 
 
