@@ -86,13 +86,18 @@ class LeanDecoder:
         cos, sin = self.rotary_emb(x, position_ids=positions)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         tokens = x.shape[1]
-        rotary = self.kernels.rotary
+        rotary, add_norm = self.kernels.rotary, self.kernels.add_rms_norm
+        # Each residual add is fused with the norm that follows it (x + delta, then its
+        # RMSNorm, in one pass): the same bfloat16 sum and the same norm kernel as separately.
+        h = self.layers[0][1](x)
+        delta = None
         for i, norm1, qkv_proj, sizes, head_dim, scale, o_proj, norm2, mlp in self.layers:
-            h = norm1(x)
+            if delta is not None:
+                x, h = add_norm(x, delta, norm1.weight, norm1.variance_epsilon)
             q, k, v = torch.split(qkv_proj(h), sizes, dim=-1)
             q, k = rotary(q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim), cos, sin)
             k_cache, v_cache = step.kv_caches[i]
             o = step.backend.forward(i, q, k, v.view(tokens, -1, head_dim), k_cache, v_cache, step.metadata, scale)
-            x = x + o_proj(o.reshape(1, tokens, -1))
-            x = x + mlp(norm2(x))
-        return self.norm(x)
+            x, h = add_norm(x, o_proj(o.reshape(1, tokens, -1)), norm2.weight, norm2.variance_epsilon)
+            delta = mlp(h)
+        return add_norm(x, delta, self.norm.weight, self.norm.variance_epsilon)[1]

@@ -142,3 +142,15 @@ def test_fused_model_matches_the_untouched_one(kind: str) -> None:
     # bfloat16 through two layers: the rare one-step differences stay small and keep the argmax
     assert torch.allclose(got, want, atol=0.05, rtol=0.05), float((got - want).abs().max())
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_is_the_add_then_the_norm(rows: int) -> None:
+    k = _kernels()
+    x = (torch.randn(1, rows, 576, generator=_gen(rows)) * 3).to(BF16)
+    delta = torch.randn(1, rows, 576, generator=_gen(rows + 1)).to(BF16)
+    weight = (torch.rand(576, generator=_gen(2)) + 0.5).to(BF16)
+    total, normed = k.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)  # the same bfloat16 sum PyTorch stores
+    assert torch.equal(normed, k.rms_norm(x + delta, weight, 1e-5))
+    assert torch.equal(x, (torch.randn(1, rows, 576, generator=_gen(rows)) * 3).to(BF16))  # inputs untouched

@@ -41,8 +41,8 @@ log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp"))  # + vec512.h
-FUNCTIONS = ["paged_decode", "prefill_attention", "prefill_attention_available", "rms_norm", "silu_and_mul", "rotary",
-             "fused_ops_available"]
+FUNCTIONS = ["paged_decode", "prefill_attention", "prefill_attention_available", "rms_norm", "add_rms_norm",
+             "silu_and_mul", "rotary", "fused_ops_available"]
 
 
 def _cpu_flags() -> str:

@@ -55,6 +55,44 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// The residual add and the next RMSNorm in one pass: sum = bf16(x + delta) (what
+// `x + delta` stores), normed = rms_norm(sum). Returns {sum, normed}.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && delta.scalar_type() == at::kBFloat16 &&
+              weight.scalar_type() == at::kBFloat16, "bfloat16 inputs");
+  TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && weight.is_contiguous() && x.sizes() == delta.sizes(),
+              "contiguous inputs of one shape");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(n % 16 == 0 && weight.numel() == n, "row length a multiple of 16, one weight per element");
+  const int64_t rows = x.numel() / n;
+  auto sum = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* dp = delta.data_ptr<bf16>();
+  const bf16* wp = weight.data_ptr<bf16>();
+  bf16* sp = sum.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      bf16* srow = sp + r * n;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = round_bf16(_mm512_add_ps(load16(xp + r * n + i), load16(dp + r * n + i)));
+        store16(srow + i, v);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const float var = _mm512_reduce_add_ps(acc) / static_cast<float>(n);
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(var + feps));
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 y = round_bf16(_mm512_mul_ps(load16(srow + i), inv));
+        store16(op + r * n + i, _mm512_mul_ps(load16(wp + i), y));
+      }
+    }
+  });
+  return {sum, out};
+}
+
 // x: [..., 2 * d] (gate | up) -> [..., d] = bf16(bf16(silu(gate)) * up), as act_fn(gate) * up does.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "contiguous bfloat16 input");
@@ -139,6 +177,9 @@ bool fused_ops_available() { return true; }
 #else
 torch::Tensor rms_norm(torch::Tensor, torch::Tensor, double) { TORCH_CHECK(false, "built without AVX-512"); }
 torch::Tensor silu_and_mul(torch::Tensor) { TORCH_CHECK(false, "built without AVX-512"); }
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor, torch::Tensor, torch::Tensor, double) {
+  TORCH_CHECK(false, "built without AVX-512");
+}
 std::vector<torch::Tensor> rotary(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "built without AVX-512");
 }
