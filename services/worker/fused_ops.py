@@ -163,28 +163,23 @@ def fuse_elementwise(model: nn.Module, dtype: torch.dtype, device: torch.device)
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
             weight = getattr(child, "weight", None)
+            fused: nn.Module | None = None
             if kind in NORMS and isinstance(weight, torch.Tensor) and hasattr(child, "variance_epsilon"):
-                if weight.dtype != torch.bfloat16 or weight.shape[-1] % 16:
-                    continue
-                fused_norm = FusedRMSNorm(child, ops)
-                x = _probe(5, weight.shape[-1]) * 3
-                with torch.inference_mode():
-                    if not _close(fused_norm(x), child(x)):
-                        log.warning("fused RMSNorm differs from %s; left as it is", kind)
-                        continue
-                setattr(parent, name, fused_norm)
-                counts["rms_norm"] += 1
+                if weight.dtype == torch.bfloat16 and weight.shape[-1] % 16 == 0:
+                    fused, key, width = FusedRMSNorm(child, ops), "rms_norm", weight.shape[-1]
             elif kind in MLPS and _fusable_mlp(child):
                 head, down = child.gate_proj, child.down_proj
                 assert isinstance(head, FusedHead) and isinstance(down, nn.Module)
-                fused_mlp = FusedSiluMLP(head.fused, down, head.sizes[0], ops)
-                x = _probe(5, head.in_features or 0)
+                fused, key, width = FusedSiluMLP(head.fused, down, head.sizes[0], ops), "silu_mlp", head.in_features or 0
+            if fused is not None:
+                x = _probe(5, width) * 3
                 with torch.inference_mode():
-                    if not _close(fused_mlp(x), child(x)):
-                        log.warning("fused SiLU MLP differs from %s; left as it is", kind)
-                        continue
-                setattr(parent, name, fused_mlp)
-                counts["silu_mlp"] += 1
+                    same = _close(fused(x), child(x))
+                if same:
+                    setattr(parent, name, fused)
+                    counts[key] += 1
+                else:
+                    log.warning("fused %s differs from %s; left as it is", key, kind)
             head_dim = getattr(child, "head_dim", None)
             if hasattr(child, "q_proj") and isinstance(head_dim, int):
                 rotary_modules[type(child).__module__] = head_dim
