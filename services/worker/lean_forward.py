@@ -1,20 +1,27 @@
-"""A lean decoder forward for Llama-style models on the CPU, once every layer is fused.
+"""A lean decoder forward for Llama-style models on the CPU.
 
 transformers' model code is general: each step goes through the model's and each
 layer's ``forward`` with their decorators (output capture, kwarg deprecation, config
 defaults), a causal-mask builder, keyword dispatch to the attention interface and
-module hooks. On a 30-layer model that Python costs ~10 ms per step on this CPU
-(torch.profiler, one decode: 30 ms per step of which the ops account for ~20), a third
-of a small-batch decode step (docs/benchmarks.md, "Lean forward").
+module hooks. On a 30-layer model that Python costs ~7-10 ms per step on this CPU
+(torch.profiler, one decode in bfloat16: 30 ms per step of which the ops account for
+~20), a third of a small-batch decode step (docs/benchmarks.md, "CPU worker speed,
+third session").
 
-Once ``packed_linear`` and ``fused_ops`` have swapped every layer's pieces (q/k/v in one
-packed product, fused RMSNorms, the fused SiLU MLP, the fused rotary embedding), the
-step is a short, fixed sequence of calls, and this module runs exactly that sequence:
-the same modules and kernels, in the same order, on the same tensors, so its output is
-bit-identical to the model's own forward with those swaps (tests/unit/test_lean_forward.py).
+This module runs the same step without it, in one of two ways:
 
-Only for the architectures whose decoder layer is the plain pre-norm residual block
-(Llama, Mistral, Qwen2), only when every layer was fused, and never with tensor
+- ``plain``: the model's own modules, called as transformers' layer and attention
+  code calls them (q/k/v projections, the model code's ``apply_rotary_pos_emb``, the
+  attention backend, ``o_proj``, the residual adds, the norms, the MLP), in the same
+  order on the same tensors. Any dtype; float32 stays token-exact with transformers.
+- ``fused``: when ``packed_linear`` and ``fused_ops`` swapped every layer's pieces
+  (bfloat16 on an AVX-512 CPU), one q/k/v product split three ways, the rotary kernel
+  called directly, and each residual add fused with the norm after it.
+
+Either way the hidden states and the keys and values written are bit-identical to the
+model's own forward in that state (tests/unit/test_lean_forward.py). Only for the
+architectures whose decoder layer is the plain pre-norm residual block (Llama,
+Mistral, Qwen2; not Qwen3's q/k norms), no sliding window, never with tensor
 parallelism; anything else keeps transformers' forward. ``FERRY_CPU_LEAN_FORWARD=0``
 turns it off.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -44,46 +52,53 @@ def lean_forward_enabled() -> bool:
 class LeanDecoder:
     """``body(input_ids, position_ids, ferry_meta=...)``'s last hidden state, without the framework."""
 
-    def __init__(self, body: Any, kernels: Any) -> None:
+    def __init__(self, body: Any, kernels: Any | None) -> None:
         self.embed: Any = body.embed_tokens
         self.rotary_emb: Any = body.rotary_emb
         self.norm: Any = body.norm
         self.kernels = kernels
+        self.mode = "fused" if kernels is not None else "plain"
         self.layers: list[tuple[Any, ...]] = []
         for i, layer in enumerate(body.layers):
             attn = layer.self_attn
-            head: FusedHead = attn.q_proj
-            self.layers.append((i, layer.input_layernorm, head.fused, head.sizes, attn.head_dim, float(attn.scaling),
-                                attn.o_proj, layer.post_attention_layernorm, layer.mlp))
+            if kernels is not None:
+                projections: Any = (attn.q_proj.fused, attn.q_proj.sizes)
+            else:
+                projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            self.layers.append((i, layer.input_layernorm, projections, attn.head_dim, float(attn.scaling),
+                                attn.o_proj, layer.post_attention_layernorm, layer.mlp,
+                                sys.modules[type(attn).__module__]))
 
     @classmethod
     def build(cls, body: Any, kernels: Any | None) -> LeanDecoder | None:
-        """The lean forward for ``body``, or None where it does not apply (see the module doc)."""
-        if kernels is None or not lean_forward_enabled() or type(body).__name__ not in MODELS:
+        """The lean forward for ``body`` (fused when every layer is and ``kernels`` are given,
+        else plain), or None where it does not apply (see the module doc)."""
+        if not lean_forward_enabled() or type(body).__name__ not in MODELS:
             return None
         for name in ("embed_tokens", "rotary_emb", "norm", "layers"):
             if not hasattr(body, name):
                 return None
-        if not isinstance(body.norm, FusedRMSNorm):
-            return None
         for layer in body.layers:
             attn = getattr(layer, "self_attn", None)
-            if type(layer).__name__ not in LAYERS or attn is None:
+            if type(layer).__name__ not in LAYERS or attn is None or not isinstance(attn.head_dim, int):
                 return None
-            head = getattr(attn, "q_proj", None)
-            if not (isinstance(head, FusedHead) and len(head.sizes) == 3 and isinstance(attn.head_dim, int)
-                    and attn.head_dim % 32 == 0 and isinstance(layer.input_layernorm, FusedRMSNorm)
-                    and isinstance(layer.post_attention_layernorm, FusedRMSNorm)
-                    and isinstance(layer.mlp, FusedSiluMLP)):
+            if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
                 return None
-            if getattr(attn, "sliding_window", None) or getattr(attn, "is_causal", True) is not True:
+            # Qwen2 keeps its window per layer; Mistral reads its config's at every call
+            window = getattr(attn, "sliding_window", getattr(getattr(attn, "config", None), "sliding_window", None))
+            if window or getattr(attn, "is_causal", True) is not True:
                 return None
-        return cls(body, kernels)
+            if not hasattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb"):
+                return None
+        fused = kernels is not None and _all_fused(body)
+        return cls(body, kernels if fused else None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """[1, T] token ids and positions -> [1, T, hidden], as ``body(...).last_hidden_state``."""
         x = self.embed(input_ids)  # [1, T, hidden]
         cos, sin = self.rotary_emb(x, position_ids=positions)
+        if self.kernels is None:
+            return self._plain(x, cos, sin, step)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         tokens = x.shape[1]
         rotary, add_norm = self.kernels.rotary, self.kernels.add_rms_norm
@@ -91,7 +106,7 @@ class LeanDecoder:
         # RMSNorm, in one pass): the same bfloat16 sum and the same norm kernel as separately.
         h = self.layers[0][1](x)
         delta = None
-        for i, norm1, qkv_proj, sizes, head_dim, scale, o_proj, norm2, mlp in self.layers:
+        for i, norm1, (qkv_proj, sizes), head_dim, scale, o_proj, norm2, mlp, _ in self.layers:
             if delta is not None:
                 x, h = add_norm(x, delta, norm1.weight, norm1.variance_epsilon)
             q, k, v = torch.split(qkv_proj(h), sizes, dim=-1)
@@ -101,3 +116,33 @@ class LeanDecoder:
             x, h = add_norm(x, o_proj(o.reshape(1, tokens, -1)), norm2.weight, norm2.variance_epsilon)
             delta = mlp(h)
         return add_norm(x, delta, self.norm.weight, self.norm.variance_epsilon)[1]
+
+    def _plain(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        """The model's modules, called as its layer and attention code call them."""
+        tokens = x.shape[1]
+        for i, norm1, (q_proj, k_proj, v_proj), head_dim, scale, o_proj, norm2, mlp, code in self.layers:
+            h = norm1(x)
+            shape = (1, tokens, -1, head_dim)
+            q = q_proj(h).view(shape).transpose(1, 2)  # [1, heads, T, head_dim], as transformers has them
+            k = k_proj(h).view(shape).transpose(1, 2)
+            v = v_proj(h).view(shape).transpose(1, 2)
+            q, k = code.apply_rotary_pos_emb(q, k, cos, sin)  # looked up per call: fused_ops may patch it
+            k_cache, v_cache = step.kv_caches[i]
+            o = step.backend.forward(i, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                     k_cache, v_cache, step.metadata, scale)
+            x = x + o_proj(o.reshape(1, tokens, -1))
+            x = x + mlp(norm2(x))
+        return self.norm(x)
+
+
+def _all_fused(body: Any) -> bool:
+    if not isinstance(body.norm, FusedRMSNorm):
+        return False
+    for layer in body.layers:
+        attn = layer.self_attn
+        head = attn.q_proj
+        if not (isinstance(head, FusedHead) and len(head.sizes) == 3 and attn.head_dim % 32 == 0
+                and isinstance(layer.input_layernorm, FusedRMSNorm)
+                and isinstance(layer.post_attention_layernorm, FusedRMSNorm) and isinstance(layer.mlp, FusedSiluMLP)):
+            return False
+    return True

@@ -121,12 +121,13 @@ class ModelRunner:
         if packed:
             log.info("%d linear layers on oneDNN-packed weights", packed)
         fused_ops = fuse_elementwise(self.body, self.dtype, self.device)
-        self.lean: LeanDecoder | None = None
         if any(fused_ops.values()):
             log.info("fused CPU ops: %s", ", ".join(f"{n} {k}" for k, n in fused_ops.items()))
-            if self.tp is None:
-                self.lean = LeanDecoder.build(self.body, fused_kernels())
-                log.info("lean forward: %s", "on" if self.lean else "off (not every layer fused)")
+        # CPU: the step's forward without transformers' per-layer Python (lean_forward.py).
+        self.lean: LeanDecoder | None = None
+        if self.device.type == "cpu" and self.tp is None:
+            self.lean = LeanDecoder.build(self.body, fused_kernels() if any(fused_ops.values()) else None)
+            log.info("lean forward: %s", self.lean.mode if self.lean else "off (this model's layers)")
         self.batch = BatchState(self.block_size)
         self.attn_backend = select_backend(config.attention_backend, self.device)
         log.info("attention backend: %s", self.attn_backend.name)

@@ -1,11 +1,12 @@
 """The lean CPU forward (services/worker/lean_forward.py) against transformers' own.
 
-A random bfloat16 Llama, Mistral and Qwen2 (q/k/v biases), every swap of packed_linear
-and fused_ops made: two steps through ferry's paged attention (two fresh prompts, then
-their decodes beside a third prompt's first chunk), each through the model's forward
-and through the lean one on its own copy of the cache. The hidden states must be equal
-bit for bit, and so must the keys and values written. Where a piece is not fused, or
-the architecture differs, the lean forward must decline.
+Random Llama, Mistral and Qwen2 (q/k/v biases) models: in bfloat16 with every swap of
+packed_linear and fused_ops made (the fused mode), and untouched in float32 and
+bfloat16 (the plain mode). Two steps through ferry's paged attention (two fresh
+prompts, then their decodes beside a third prompt's first chunk), each through the
+model's forward and through the lean one on its own copy of the cache: the hidden
+states must be equal bit for bit, and so must the keys and values written. Where the
+architecture differs, the lean forward must decline.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ BF16 = torch.bfloat16
 BLOCK = 4
 
 
-def _model(kind: str, **overrides: object):  # noqa: ANN202
+def _model(kind: str, dtype: torch.dtype = BF16, **overrides: object):  # noqa: ANN202
     from transformers import AutoConfig, AutoModelForCausalLM
 
     register_paged_attention()
     cfg = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, vocab_size=300,
                tie_word_embeddings=True)
+    if kind == "mistral":
+        cfg["sliding_window"] = None  # Mistral's default window (4096) sends it to transformers' forward
     cfg.update(overrides)
     config = AutoConfig.for_model(kind, **cfg)
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(config, dtype=BF16, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION).eval()
     return model, config
 
 
@@ -57,19 +60,35 @@ def _steps() -> list[tuple[list[int], list[int], list[list[int]]]]:
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
-def test_lean_forward_equals_the_models_forward(kind: str, backend_name: str) -> None:
+def test_fused_lean_forward_equals_the_models_forward(kind: str, backend_name: str) -> None:
     if fused_ops.kernels() is None or not torch.backends.mkldnn.is_available():
-        pytest.skip("no fused CPU kernels (compiler, AVX-512) or no oneDNN: there is no lean forward here")
-    try:
-        backend = select_backend(backend_name, CPU)
-    except Exception as exc:  # noqa: BLE001 - cpu_paged without a compiler
-        pytest.skip(f"{backend_name} unavailable: {exc}")
+        pytest.skip("no fused CPU kernels (compiler, AVX-512) or no oneDNN: there is no fused mode here")
     model, config = _model(kind)
     body = model.get_decoder()
     _fuse(body)
     lean = LeanDecoder.build(body, fused_ops.kernels())
-    assert lean is not None
-    caches = {name: KVCache.allocate(config.to_dict(), 8, BLOCK, BF16, "cpu") for name in ("model", "lean")}
+    assert lean is not None and lean.mode == "fused"
+    _check_steps(body, lean, config, backend_name, BF16)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
+def test_plain_lean_forward_equals_the_models_forward(kind: str, dtype: torch.dtype, backend_name: str) -> None:
+    model, config = _model(kind, dtype)
+    body = model.get_decoder()
+    lean = LeanDecoder.build(body, None)
+    assert lean is not None and lean.mode == "plain"
+    _check_steps(body, lean, config, backend_name, dtype)
+
+
+def _check_steps(body: torch.nn.Module, lean: LeanDecoder, config, backend_name: str,  # noqa: ANN001
+                 dtype: torch.dtype) -> None:
+    try:
+        backend = select_backend(backend_name, CPU)
+    except Exception as exc:  # noqa: BLE001 - cpu_paged without a compiler
+        pytest.skip(f"{backend_name} unavailable: {exc}")
+    caches = {name: KVCache.allocate(config.to_dict(), 8, BLOCK, dtype, "cpu") for name in ("model", "lean")}
     gen = torch.Generator().manual_seed(7)
     for query_lens, seq_lens, tables in _steps():
         batch, positions = build_paged_batch(query_lens, seq_lens, tables, BLOCK, 256, CPU)
@@ -81,30 +100,34 @@ def test_lean_forward_equals_the_models_forward(kind: str, backend_name: str) ->
                         ferry_meta=StepAttention(backend, meta, caches["model"].caches, 256)).last_hidden_state
             got = lean(ids, pos, StepAttention(backend, meta, caches["lean"].caches, 256))
         assert got.shape == want.shape == (1, sum(query_lens), config.hidden_size)
+        assert got.dtype == dtype
         assert torch.equal(got, want)
     for (k1, v1), (k2, v2) in zip(caches["model"].caches, caches["lean"].caches, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
         assert k1.abs().sum() > 0  # the steps did write keys
 
 
-def test_lean_forward_declines_what_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) -> None:
-    ops = fused_ops.kernels()
-    if ops is None or not torch.backends.mkldnn.is_available():
-        pytest.skip("no fused CPU kernels or no oneDNN")
+def test_lean_forward_modes_and_what_it_declines(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = _model("llama")
     body = model.get_decoder()
-    assert LeanDecoder.build(body, ops) is None  # nothing fused yet
-    assert LeanDecoder.build(body, None) is None
-    fused = copy.deepcopy(body)
-    _fuse(fused)
-    assert LeanDecoder.build(fused, ops) is not None
-    partial = copy.deepcopy(body)
-    fuse_projections(partial, BF16, CPU)  # q/k/v fused, but norms and MLP left as they were
-    assert LeanDecoder.build(partial, ops) is None
+    plain = LeanDecoder.build(body, None)
+    assert plain is not None and plain.mode == "plain"
+    ops = fused_ops.kernels()
+    if ops is not None and torch.backends.mkldnn.is_available():
+        built = LeanDecoder.build(body, ops)  # kernels, but nothing fused yet: plain
+        assert built is not None and built.mode == "plain"
+        fused = copy.deepcopy(body)
+        _fuse(fused)
+        built = LeanDecoder.build(fused, ops)
+        assert built is not None and built.mode == "fused"
+        partial = copy.deepcopy(body)
+        fuse_projections(partial, BF16, CPU)  # q/k/v fused, norms and MLP as they were: plain, through the shims
+        built = LeanDecoder.build(partial, ops)
+        assert built is not None and built.mode == "plain"
     monkeypatch.setenv("FERRY_CPU_LEAN_FORWARD", "0")
-    assert LeanDecoder.build(fused, ops) is None
+    assert LeanDecoder.build(body, None) is None
     monkeypatch.delenv("FERRY_CPU_LEAN_FORWARD")
     qwen3, _ = _model("qwen3")  # per-head q/k norms before RoPE: not the plain layer
-    qbody = qwen3.get_decoder()
-    _fuse(qbody)
-    assert LeanDecoder.build(qbody, ops) is None
+    assert LeanDecoder.build(qwen3.get_decoder(), None) is None
+    windowed, _ = _model("mistral", sliding_window=16)
+    assert LeanDecoder.build(windowed.get_decoder(), None) is None
