@@ -105,7 +105,7 @@ class ModelRunner:
         # CPU, bfloat16: the decoder's linear layers and the LM head multiply against
         # oneDNN-packed weights (packed_linear.py). A head tied to the embedding gets its own
         # packed copy (SmolLM2: 57 MB more) for 1.3x at a decode batch of 64 and 1.8x for one
-        # decode (docs/benchmarks.md, "CPU worker speed on a quiet machine").
+        # decode (docs/benchmarks.md, "CPU worker speed, third session").
         fused = fuse_projections(self.body, self.dtype, self.device)
         packed = pack_linears(self.body, self.dtype, self.device)
         if fused:
