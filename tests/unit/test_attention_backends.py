@@ -145,7 +145,16 @@ def test_backend_in_half_precision(backend_name: str, dtype: torch.dtype, head_d
                                    heads: tuple[int, int]) -> None:
     """bfloat16/float16 caches (the AVX-512 path widens them to float32): still the dense result."""
     spec = [(1, 8), (1, 13), (1, 37), (1, 1), (7, 7), (3, 11)]
-    data = _setup(spec, heads[0], heads[1], head_dim + heads[0], head_dim)
+    out, expected = _run_in_dtype(backend_name, spec, heads, head_dim + heads[0], head_dim, dtype)
+    assert out.dtype == dtype and out.shape == expected.shape
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def _run_in_dtype(backend_name: str, spec: list[tuple[int, int]], heads: tuple[int, int], seed: int, head_dim: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of ``spec`` with the cache and inputs in ``dtype``: the backend's output and the dense result."""
+    data = _setup(spec, heads[0], heads[1], seed, head_dim)
     scale = head_dim**-0.5
     query, key, value = (data[n].to(dtype) for n in ("query", "key", "value"))
     # The dense reference sees exactly the rounded values the backend reads.
@@ -154,9 +163,7 @@ def test_backend_in_half_precision(backend_name: str, dtype: torch.dtype, head_d
     backend = select_backend(backend_name, torch.device("cpu"))
     k_cache, v_cache = data["k_cache"].to(dtype), data["v_cache"].to(dtype)
     out = backend.forward(0, query, key, value, k_cache, v_cache, backend.prepare(data["batch"]), scale)
-    assert out.dtype == dtype and out.shape == query.shape
-    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
-    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    return out, expected
 
 
 @pytest.mark.parametrize("backend_name", available_backends("cpu"))
@@ -170,14 +177,8 @@ def test_many_decodes_at_real_head_sizes(backend_name: str, dtype: torch.dtype, 
     torch.set_num_threads(2)
     try:
         spec = [(1, n) for n in (1, 3, 4, 5, 8, 9, 12, 13, 2, 7, 6, 10)]  # 37 of the 40 blocks
-        data = _setup(spec, heads[0], heads[1], head_dim + 7, head_dim)
-        scale = head_dim**-0.5
-        query, key, value = (data[n].to(dtype) for n in ("query", "key", "value"))
-        contexts = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in data["contexts"]]
-        expected = _dense(spec, query.float(), contexts, scale)
-        backend = select_backend(backend_name, torch.device("cpu"))
-        k_cache, v_cache = data["k_cache"].to(dtype), data["v_cache"].to(dtype)
-        out = backend.forward(0, query, key, value, k_cache, v_cache, backend.prepare(data["batch"]), scale)
+        out, expected = _run_in_dtype(backend_name, spec, heads, head_dim + 7, head_dim, dtype)
+        assert out.dtype == dtype
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
     finally:
