@@ -103,130 +103,90 @@ static inline void softmax16(float* s, int64_t padded, float max) {
   for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
 }
 
-template <typename scalar_t, int64_t NV>  // NV = head_dim / 16
-static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
-                                 const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, double scale) {
+// One request's decode attention for its KV heads [kv0, kv1) and their query heads.
+// Token by token, the keys of every head in the range (one contiguous stretch of the
+// token's row) are read in one pass and scored against all their query heads; then the
+// same for the values. Scratch buffers are the caller's, reused across calls.
+struct DecodeScratch {
+  std::vector<__m512> qv, acc;
+  std::vector<float> scores, maxes, tmp;
+};
+
+template <typename scalar_t, int64_t NV>
+static inline void decode_one(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* table,
+                              int64_t len, scalar_t* out, int64_t n, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t kv0, int64_t kv1, int64_t block_size, __m512 sc, DecodeScratch& s) {
   constexpr int64_t HD = NV * 16;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * HD;
-  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> qv(group * NV), acc(group * NV);
-    std::vector<float> scores, maxes(group), tmp(HD);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t len = lens[n];
-      const int64_t padded = (len + 15) / 16 * 16;
-      const int32_t* table = bt + n * max_blocks;
-      const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t v = 0; v < NV; ++v)
-          qv[g * NV + v] = _mm512_mul_ps(load16(q + (n * num_heads + kvh * group + g) * HD + v * 16), sc);
-      scores.assign(group * padded, -INFINITY);
-      std::fill(maxes.begin(), maxes.end(), -INFINITY);
-      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-        const scalar_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * HD;
-        const int64_t n_in = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n_in; ++j) {
-          const scalar_t* kp = base + j * token_stride;
-          __m512 kv[NV];
-          for (int64_t v = 0; v < NV; ++v) kv[v] = load16(kp + v * 16);
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 d = _mm512_mul_ps(qv[g * NV], kv[0]);
-            for (int64_t v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[g * NV + v], kv[v], d);
-            const float s = _mm512_reduce_add_ps(d);
-            scores[g * padded + t0 + j] = s;
-            maxes[g] = std::max(maxes[g], s);
-          }
+  const int64_t h0 = kv0 * group, heads = (kv1 - kv0) * group;  // query heads [h0, h0 + heads)
+  const int64_t padded = (len + 15) / 16 * 16;
+  s.qv.resize(heads * NV);
+  s.acc.assign(heads * NV, _mm512_setzero_ps());
+  s.maxes.assign(heads, -INFINITY);
+  s.scores.assign(heads * padded, -INFINITY);
+  s.tmp.resize(HD);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t v = 0; v < NV; ++v) s.qv[h * NV + v] = _mm512_mul_ps(load16(q + (n * num_heads + h0 + h) * HD + v * 16), sc);
+  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+    const scalar_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride;
+    const int64_t n_in = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < n_in; ++j) {
+      const scalar_t* row = base + j * token_stride;
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        __m512 kv[NV];
+        for (int64_t v = 0; v < NV; ++v) kv[v] = load16(row + kvh * HD + v * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = (kvh - kv0) * group + g;
+          __m512 d = _mm512_mul_ps(s.qv[h * NV], kv[0]);
+          for (int64_t v = 1; v < NV; ++v) d = _mm512_fmadd_ps(s.qv[h * NV + v], kv[v], d);
+          const float score = _mm512_reduce_add_ps(d);
+          s.scores[h * padded + t0 + j] = score;
+          s.maxes[h] = std::max(s.maxes[h], score);
         }
-      }
-      for (int64_t g = 0; g < group; ++g) softmax16(scores.data() + g * padded, padded, maxes[g]);
-      for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-        const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * HD;
-        const int64_t n_in = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n_in; ++j) {
-          const scalar_t* vp = base + j * token_stride;
-          __m512 vv[NV];
-          for (int64_t v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16);
-          for (int64_t g = 0; g < group; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[g * padded + t0 + j]);
-            for (int64_t v = 0; v < NV; ++v) acc[g * NV + v] = _mm512_fmadd_ps(p, vv[v], acc[g * NV + v]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(tmp.data() + v * 16, acc[g * NV + v]);
-        scalar_t* o = out + (n * num_heads + kvh * group + g) * HD;
-        for (int64_t d = 0; d < HD; ++d) o[d] = static_cast<scalar_t>(tmp[d]);
       }
     }
-  });
+  }
+  for (int64_t h = 0; h < heads; ++h) softmax16(s.scores.data() + h * padded, padded, s.maxes[h]);
+  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+    const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride;
+    const int64_t n_in = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < n_in; ++j) {
+      const scalar_t* row = base + j * token_stride;
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        __m512 vv[NV];
+        for (int64_t v = 0; v < NV; ++v) vv[v] = load16(row + kvh * HD + v * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = (kvh - kv0) * group + g;
+          const __m512 p = _mm512_set1_ps(s.scores[h * padded + t0 + j]);
+          for (int64_t v = 0; v < NV; ++v) s.acc[h * NV + v] = _mm512_fmadd_ps(p, vv[v], s.acc[h * NV + v]);
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(s.tmp.data() + v * 16, s.acc[h * NV + v]);
+    scalar_t* o = out + (n * num_heads + h0 + h) * HD;
+    for (int64_t d = 0; d < HD; ++d) o[d] = static_cast<scalar_t>(s.tmp[d]);
+  }
 }
-// The same attention with one work item per request: each token's keys (every KV head,
-// one contiguous row of the block) are read in one pass and scored against all query
-// heads, so the cache is streamed block by block instead of once per KV head.
+
+// AVX-512 path: head_dim a multiple of 16. Few requests: one work item per (request, KV
+// head), so both threads have work; at least four requests per thread: one item per
+// request (`rows`), each token's whole row read once for all its KV heads.
 template <typename scalar_t, int64_t NV>
-static void decode_kernel_avx512_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
-                                      const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
-                                      int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, double scale) {
-  constexpr int64_t HD = NV * 16;
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * HD;
-  at::parallel_for(0, num_decodes, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> qv(num_heads * NV), acc(num_heads * NV);
-    std::vector<float> scores, maxes(num_heads), tmp(HD);
+static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
+                                 const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, double scale, bool rows) {
+  const int64_t per = rows ? 1 : num_kv_heads;  // work items per request
+  at::parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
+    DecodeScratch scratch;
     const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t len = lens[n];
-      const int64_t padded = (len + 15) / 16 * 16;
-      const int32_t* table = bt + n * max_blocks;
-      for (int64_t h = 0; h < num_heads; ++h)
-        for (int64_t v = 0; v < NV; ++v) qv[h * NV + v] = _mm512_mul_ps(load16(q + (n * num_heads + h) * HD + v * 16), sc);
-      scores.assign(num_heads * padded, -INFINITY);
-      std::fill(maxes.begin(), maxes.end(), -INFINITY);
-      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-        const scalar_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride;
-        const int64_t n_in = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n_in; ++j) {
-          const scalar_t* row = base + j * token_stride;
-          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-            __m512 kv[NV];
-            for (int64_t v = 0; v < NV; ++v) kv[v] = load16(row + kvh * HD + v * 16);
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t h = kvh * group + g;
-              __m512 d = _mm512_mul_ps(qv[h * NV], kv[0]);
-              for (int64_t v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[h * NV + v], kv[v], d);
-              const float s = _mm512_reduce_add_ps(d);
-              scores[h * padded + t0 + j] = s;
-              maxes[h] = std::max(maxes[h], s);
-            }
-          }
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) softmax16(scores.data() + h * padded, padded, maxes[h]);
-      for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-        const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride;
-        const int64_t n_in = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n_in; ++j) {
-          const scalar_t* row = base + j * token_stride;
-          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-            __m512 vv[NV];
-            for (int64_t v = 0; v < NV; ++v) vv[v] = load16(row + kvh * HD + v * 16);
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t h = kvh * group + g;
-              const __m512 pr = _mm512_set1_ps(scores[h * padded + t0 + j]);
-              for (int64_t v = 0; v < NV; ++v) acc[h * NV + v] = _mm512_fmadd_ps(pr, vv[v], acc[h * NV + v]);
-            }
-          }
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(tmp.data() + v * 16, acc[h * NV + v]);
-        scalar_t* o = out + (n * num_heads + h) * HD;
-        for (int64_t d = 0; d < HD; ++d) o[d] = static_cast<scalar_t>(tmp[d]);
-      }
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / per;
+      const int64_t kv0 = rows ? 0 : item % per, kv1 = rows ? num_kv_heads : kv0 + 1;
+      decode_one<scalar_t, NV>(q, kc, vc, bt + n * max_blocks, lens[n], out, n, num_heads, num_kv_heads, kv0, kv1,
+                               block_size, sc, scratch);
     }
   });
 }
@@ -250,15 +210,15 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
     };
 #if defined(__AVX512F__)
     if constexpr (!std::is_same_v<scalar_t, double>) {
+    // Enough requests to keep every thread busy: one item per request.
+    const bool rows = num_decodes >= 4 * at::get_num_threads() && head_dim <= 128;
     auto run_vec = [&](auto kernel) {
       kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
              block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
-             num_heads, num_kv_heads, block_size, block_table.size(1), scale);
+             num_heads, num_kv_heads, block_size, block_table.size(1), scale, rows);
     };
-    // Enough requests to keep every thread busy: one item per request (see the _rows kernel).
-    const bool rows = num_decodes >= 4 * at::get_num_threads();
-    if (head_dim == 64) return run_vec(rows ? decode_kernel_avx512_rows<scalar_t, 4> : decode_kernel_avx512<scalar_t, 4>);
-    if (head_dim == 128) return run_vec(rows ? decode_kernel_avx512_rows<scalar_t, 8> : decode_kernel_avx512<scalar_t, 8>);
+    if (head_dim == 64) return run_vec(decode_kernel_avx512<scalar_t, 4>);
+    if (head_dim == 128) return run_vec(decode_kernel_avx512<scalar_t, 8>);
     if (head_dim == 256) return run_vec(decode_kernel_avx512<scalar_t, 16>);
     }
 #endif
