@@ -128,42 +128,36 @@ static inline void decode_one(const scalar_t* q, const scalar_t* kc, const scala
   s.tmp.resize(HD);
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t v = 0; v < NV; ++v) s.qv[h * NV + v] = _mm512_mul_ps(load16(q + (n * num_heads + h0 + h) * HD + v * 16), sc);
-  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-    const scalar_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride;
-    const int64_t n_in = std::min(block_size, len - t0);
-    for (int64_t j = 0; j < n_in; ++j) {
-      const scalar_t* row = base + j * token_stride;
-      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
-        __m512 kv[NV];
-        for (int64_t v = 0; v < NV; ++v) kv[v] = load16(row + kvh * HD + v * 16);
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = (kvh - kv0) * group + g;
-          __m512 d = _mm512_mul_ps(s.qv[h * NV], kv[0]);
-          for (int64_t v = 1; v < NV; ++v) d = _mm512_fmadd_ps(s.qv[h * NV + v], kv[v], d);
-          const float score = _mm512_reduce_add_ps(d);
-          s.scores[h * padded + t0 + j] = score;
-          s.maxes[h] = std::max(s.maxes[h], score);
+  // fn(row, t, kvh, vectors): every token t of the context, for each KV head in range, its
+  // HD elements of `cache` widened to float32, block by block through the table.
+  auto walk = [&](const scalar_t* cache, auto&& fn) {
+    for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+      const scalar_t* base = cache + static_cast<int64_t>(table[b]) * block_size * token_stride;
+      const int64_t n_in = std::min(block_size, len - t0);
+      for (int64_t j = 0; j < n_in; ++j)
+        for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+          __m512 x[NV];
+          for (int64_t v = 0; v < NV; ++v) x[v] = load16(base + j * token_stride + kvh * HD + v * 16);
+          fn(t0 + j, (kvh - kv0) * group, x);
         }
-      }
     }
-  }
+  };
+  walk(kc, [&](int64_t t, int64_t first, const __m512* kv) {
+    for (int64_t h = first; h < first + group; ++h) {
+      __m512 d = _mm512_mul_ps(s.qv[h * NV], kv[0]);
+      for (int64_t v = 1; v < NV; ++v) d = _mm512_fmadd_ps(s.qv[h * NV + v], kv[v], d);
+      const float score = _mm512_reduce_add_ps(d);
+      s.scores[h * padded + t] = score;
+      s.maxes[h] = std::max(s.maxes[h], score);
+    }
+  });
   for (int64_t h = 0; h < heads; ++h) softmax16(s.scores.data() + h * padded, padded, s.maxes[h]);
-  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-    const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride;
-    const int64_t n_in = std::min(block_size, len - t0);
-    for (int64_t j = 0; j < n_in; ++j) {
-      const scalar_t* row = base + j * token_stride;
-      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
-        __m512 vv[NV];
-        for (int64_t v = 0; v < NV; ++v) vv[v] = load16(row + kvh * HD + v * 16);
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = (kvh - kv0) * group + g;
-          const __m512 p = _mm512_set1_ps(s.scores[h * padded + t0 + j]);
-          for (int64_t v = 0; v < NV; ++v) s.acc[h * NV + v] = _mm512_fmadd_ps(p, vv[v], s.acc[h * NV + v]);
-        }
-      }
+  walk(vc, [&](int64_t t, int64_t first, const __m512* vv) {
+    for (int64_t h = first; h < first + group; ++h) {
+      const __m512 p = _mm512_set1_ps(s.scores[h * padded + t]);
+      for (int64_t v = 0; v < NV; ++v) s.acc[h * NV + v] = _mm512_fmadd_ps(p, vv[v], s.acc[h * NV + v]);
     }
-  }
+  });
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(s.tmp.data() + v * 16, s.acc[h * NV + v]);
     scalar_t* o = out + (n * num_heads + h0 + h) * HD;
