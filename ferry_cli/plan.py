@@ -40,7 +40,7 @@ class PlanOptions:
     max_num_batched_tokens: int = 2048
     runtime_overhead_bytes: int = capacity.GPU_RUNTIME_OVERHEAD_BYTES
     tensor_parallel_size: int = 1  # devices one model is split across (each row: per device)
-    quantization: str = "none"  # "int8": the worker's --quantization int8 (float32 model, int8 linears)
+    quantization: str = "none"  # "int8": the worker's --quantization int8 (int8 decoder linears, the rest in dtype)
 
 
 def safety_margin_bytes(spec: str, memory_bytes: int) -> int:
@@ -60,7 +60,7 @@ def _memory_side(config: dict[str, Any], device: Device, opts: PlanOptions, dtyp
     """Weights, activations, overhead, margin and the KV budget (possibly negative before clamping),
     per device: with tensor parallelism ``config`` is one rank's and the weights are its share."""
     if opts.quantization == "int8":
-        weights = capacity.int8_weight_bytes(config)
+        weights = capacity.int8_weight_bytes(config, dtype)
     else:
         weights = capacity.weight_bytes_per_rank(config, dtype, opts.tensor_parallel_size)
     if device.kind == "cpu":
@@ -91,8 +91,7 @@ def decode_ceiling_tok_s(device: Device, weights: int, kv_per_token: int, batch:
 
 def plan_device(config: dict[str, Any], device: Device, opts: PlanOptions, throughput: float | None) -> dict[str, Any]:
     """One row of the plan: every number for one device."""
-    # int8 dequantizes into a float32 model (services/worker/quantize.py): float32 whatever auto says
-    dtype = "float32" if opts.quantization == "int8" else capacity.resolve_dtype(opts.dtype, device.kind)
+    dtype = capacity.resolve_dtype(opts.dtype, device.kind)
     kv_dtype = capacity.resolve_kv_dtype(opts.kv_cache_dtype, dtype)
     mem = _memory_side(config, device, opts, dtype)
     tp = opts.tensor_parallel_size
@@ -218,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices one model is split across: weights (projections), KV cache and "
                         "activations per device divide by it; the price multiplies by it")
     p.add_argument("--quantization", default="none", choices=("none", "int8"),
-                   help="int8: the worker's --quantization int8 (CPU only; float32 model with int8 linear weights)")
+                   help="int8: the worker's --quantization int8 (CPU only; int8 decoder linear layers, the rest in --dtype)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per device")
     return p
 
@@ -241,8 +240,6 @@ def options_from_args(args: argparse.Namespace, model: PlannedModel) -> PlanOpti
     if quantization == "int8":  # the worker refuses the same combinations before it starts
         if args.tensor_parallel_size > 1:
             raise ValueError("--quantization int8 does not combine with --tensor-parallel-size")
-        if args.dtype in ("bfloat16", "float16"):
-            raise ValueError(f"--quantization int8 runs a float32 model; --dtype {args.dtype} does not combine with it")
     max_len = args.max_model_len or capacity.model_shape(model.config).max_position_embeddings
     if max_len < 1:
         raise ValueError(f"--max-model-len must be positive (got {max_len})")

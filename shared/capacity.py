@@ -277,23 +277,27 @@ def weight_bytes(config: Mapping[str, Any], dtype: str) -> int:
     return count_parameters(config).total * DTYPE_BYTES[normalize_dtype(dtype)]
 
 
-def int8_weight_bytes(config: Mapping[str, Any]) -> int:
+def int8_weight_bytes(config: Mapping[str, Any], dtype: str = "float32") -> int:
     """Bytes the weights take under ``--quantization int8`` (services/worker/quantize.py).
 
-    The model is float32 and every linear layer becomes a dynamic int8 linear: its
-    weight one byte per element (the LM head too, as its own int8 copy when it is tied
-    to the embedding), its bias still float32; embeddings and norms stay float32.
+    The decoder's linear layers become W8A8 layers, q/k/v and gate/up fused into one each:
+    one byte per weight, plus float32 per output channel (the weight's scale, the bias
+    where there is one) and per input channel (the SmoothQuant factor). Embeddings, norms
+    and the LM head stay in ``dtype``.
     """
     s = model_shape(config)
     if s.num_experts:
         raise ValueError("--quantization int8 is not planned for mixture-of-experts models")
-    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    mlp = (3 if s.gated_mlp else 2) * s.hidden_size * s.intermediate_size
-    body_linear = s.num_layers * (s.hidden_size * (q_out + 2 * kv_out) + q_out * s.hidden_size + mlp)
-    lm_head = s.vocab_size * s.hidden_size
+    q_out, kv_out, h, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.hidden_size, s.intermediate_size
+    # (in, out, has bias) of each int8 layer of one decoder layer
+    layers = [(h, q_out + 2 * kv_out, s.qkv_bias), (q_out, h, s.o_bias)]
+    layers += [(h, 2 * inter, s.mlp_bias)] if s.gated_mlp else [(h, inter, s.mlp_bias)]
+    layers += [(inter, h, s.mlp_bias)]
+    per_layer = sum(i * o + 4 * (i + o + (o if bias else 0)) for i, o, bias in layers)
     counts = count_parameters(config)
-    floats = counts.total - body_linear - counts.lm_head
-    return body_linear + lm_head + floats * DTYPE_BYTES["float32"]
+    linear_params = sum(i * o + (o if bias else 0) for i, o, bias in layers)
+    rest = counts.total - s.num_layers * linear_params  # embeddings, norms, the LM head when untied
+    return s.num_layers * per_layer + rest * DTYPE_BYTES[normalize_dtype(dtype)]
 
 
 def tensor_parallel_config(config: Mapping[str, Any], size: int) -> dict[str, Any]:

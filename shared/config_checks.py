@@ -145,7 +145,7 @@ def _relations(config: msgspec.Struct) -> list[str]:
                       "BF16 or AMX) or float32, or 'auto' to pick between them")
     if get("quantization") == "int8":
         if get("device") not in (None, "cpu"):
-            errors.append("--quantization int8 runs on the CPU only (PyTorch's dynamic int8 linears)")
+            errors.append("--quantization int8 runs on the CPU only (PyTorch's int8 matmul, torch._int_mm)")
         if (get("tensor_parallel_size") or 1) > 1:
             errors.append("--quantization int8 cannot be combined with --tensor-parallel-size above 1 "
                           "(the split works on plain linear layers)")

@@ -3,12 +3,16 @@
     python -m services.engine.bench_quality --threads 2 --out results/quality-int8.json
 
 - Greedy agreement: 50 fixed prompts (chat template applied), ``--max-tokens`` greedy
-  tokens each, from ferry's offline engine in float32 and with int8 weights; reports the
+  tokens each, from ferry's offline engine in float32 (the token-exact reference) and in
+  each variant: bfloat16 (the default on CPUs with native bfloat16, for scale), int8 on
+  bfloat16 (what ``--quantization int8`` serves there) and int8 on float32; reports the
   share of prompts whose outputs are identical and the mean share of tokens before the
   first difference.
-- Perplexity: the same model in plain transformers (float32, then quantized by the very
-  function the worker uses) on a fixed text, this repository's README.md (its first
-  ``--ppl-tokens`` tokens), teacher-forced in one pass.
+- Perplexity: the same model in plain transformers, in each dtype, quantized by the very
+  layers the worker uses, on a fixed text, this repository's README.md (its first
+  ``--ppl-tokens`` tokens), teacher-forced in one pass, and the share of positions
+  whose most likely next token equals float32's (greedy agreement without the
+  compounding: one early flip no longer decides the rest of a generation).
 
 Prints one line per measurement and writes JSON.
 """
@@ -36,43 +40,58 @@ TEMPLATES = ["Write a short story about {}.", "Explain {} to a child.", "List th
 PROMPTS = [t.format(s) for s in SUBJECTS for t in TEMPLATES]  # 50
 
 
+# (label, dtype, quantization): each compared with the float32 model, the token-exact reference
+VARIANTS = [("bfloat16", "bfloat16", "none"), ("int8 (bfloat16)", "bfloat16", "int8"), ("int8 (float32)", "float32", "int8")]
+
+
 def greedy_agreement(model: str, max_tokens: int, threads: int) -> dict[str, Any]:
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
     outputs: dict[str, list[list[int]]] = {}
-    for quant in ("none", "int8"):
-        llm = LLM(model=model, dtype="float32", num_threads=threads, quantization=quant, kv_cache_memory=1 << 28)
-        conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
+    for label, dtype, quant in [("float32", "float32", "none"), *VARIANTS]:
+        llm = LLM(model=model, dtype=dtype, num_threads=threads, quantization=quant, kv_cache_memory=1 << 28)
         t0 = time.perf_counter()
-        outputs[quant] = [o.token_ids for o in llm.chat(conversations, params)]
-        print(f"greedy {quant}: {len(PROMPTS)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
-    same, prefix = 0, 0.0
-    for a, b in zip(outputs["none"], outputs["int8"], strict=True):
-        same += a == b
-        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        prefix += first / max(1, len(a))
-    return {"prompts": len(PROMPTS), "max_tokens": max_tokens, "identical": same,
-            "identical_share": round(same / len(PROMPTS), 3), "mean_agreeing_prefix": round(prefix / len(PROMPTS), 3)}
+        outputs[label] = [o.token_ids for o in llm.chat(conversations, params)]
+        print(f"greedy {label}: {len(PROMPTS)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
+        del llm
+    report: dict[str, Any] = {"prompts": len(PROMPTS), "max_tokens": max_tokens, "reference": "float32"}
+    for label, _, _ in VARIANTS:
+        same, prefix = 0, 0.0
+        for a, b in zip(outputs["float32"], outputs[label], strict=True):
+            same += a == b
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+            prefix += first / max(1, len(a))
+        report[label] = {"identical": same, "identical_share": round(same / len(PROMPTS), 3),
+                         "mean_agreeing_prefix": round(prefix / len(PROMPTS), 3)}
+        print(f"greedy {label} vs float32: {same}/{len(PROMPTS)} identical, mean agreeing prefix "
+              f"{prefix / len(PROMPTS):.3f}", flush=True)
+    return report
 
 
 def perplexity(model: str, text: str, num_tokens: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from services.worker.loader import model_dir
+    from services.worker.quantize import apply_int8, int8_kernels
     from shared.models import resolve_model
-
-    from .loader import model_dir
-    from .quantize import quantize_int8
 
     folder = model_dir(resolve_model(model))
     ids = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt")["input_ids"][:, :num_tokens]
     out: dict[str, Any] = {"tokens": int(ids.shape[1])}
-    for quant in ("none", "int8"):
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    kernels = int8_kernels()
+    reference: torch.Tensor | None = None
+    for label, dtype, quant in [("float32", "float32", "none"), *VARIANTS]:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
         if quant == "int8":
-            quantize_int8(hf)
+            apply_int8(hf, hf.model, hf.config.vocab_size, kernels)  # what the worker does to its model
         with torch.inference_mode():
-            loss = hf(ids, labels=ids).loss.item()
-        out[quant] = round(math.exp(loss), 3)
-        print(f"perplexity {quant}: {out[quant]} over {ids.shape[1]} tokens", flush=True)
+            result = hf(ids, labels=ids)
+        top1 = result.logits[0].argmax(-1)
+        reference = top1 if reference is None else reference
+        agree = float((top1 == reference).float().mean())
+        out[label] = {"perplexity": round(math.exp(result.loss.item()), 3), "top1_agreement": round(agree, 4)}
+        print(f"perplexity {label}: {out[label]['perplexity']} over {ids.shape[1]} tokens; next-token "
+              f"argmax equal to float32's at {agree:.1%} of positions", flush=True)
     return out
 
 

@@ -100,12 +100,8 @@ def load_model(
     source = resolve_model(name)
     folder = model_dir(source, cache_dir)
     torch_dtype = resolve_dtype(dtype, device)
-    if quantization == "int8":
-        if not device.startswith("cpu"):
-            raise ValueError("--quantization int8 runs on the CPU only (PyTorch's dynamic int8 linear)")
-        if dtype not in ("auto", "float32"):
-            raise ValueError(f"--quantization int8 computes in float32; --dtype {dtype} cannot go with it")
-        torch_dtype = torch.float32
+    if quantization == "int8" and not device.startswith("cpu"):
+        raise ValueError("--quantization int8 runs on the CPU only (PyTorch's int8 matmul, torch._int_mm)")
     register_paged_attention()
     hf_config = AutoConfig.from_pretrained(folder)
     if getattr(hf_config, "quantization_config", None) is not None:
@@ -116,9 +112,6 @@ def load_model(
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    if quantization == "int8":
-        from .quantize import quantize_int8
-
-        quantize_int8(model)
+    # --quantization int8 is applied by the runner, after it fuses q/k/v and gate/up (quantize.py)
     config_dict = hf_config.to_dict()
     return LoadedModel(model, model.config, config_dict, folder, torch_dtype, time.monotonic() - t0)

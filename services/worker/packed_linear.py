@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,9 +101,16 @@ class FusedPart(nn.Module):
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Fuse each q/k/v and gate/up group of plain ``nn.Linear`` layers (packed); the groups fused."""
-    if not packing_enabled(dtype, device):
+def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device,
+                     make: Callable[[nn.Linear, nn.Module], nn.Module] | None = None) -> int:
+    """Fuse each q/k/v and gate/up group of plain ``nn.Linear`` layers; the groups fused.
+
+    The joined layer is ``make(joined, first_of_group)`` (``--quantization int8``: an
+    ``Int8Linear``), by default a ``PackedLinear`` where packing applies. A packed group
+    must compute bit for bit what ``F.linear`` computed for each layer; a group from
+    ``make`` (which rounds on purpose) within 10 % of the largest output, on a probe.
+    """
+    if make is None and not packing_enabled(dtype, device):
         return 0
     fused = 0
     for parent in list(module.modules()):
@@ -121,14 +129,16 @@ def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device
                 if first.bias is not None:
                     joined.bias.copy_(torch.cat([m.bias for m in layers]))
             try:
-                inner: nn.Module = PackedLinear(joined)
+                inner: nn.Module = PackedLinear(joined) if make is None else make(joined, first)
             except RuntimeError as exc:
                 log.warning("linear packing unavailable (%s); projections left unfused", exc)
                 return fused
             head = FusedHead(inner, [m.out_features for m in layers])
             probe = torch.randn(3, first.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
             outs = head(probe), *(FusedPart(head, i)(probe) for i in range(1, len(layers)))
-            if not all(torch.equal(o, F.linear(probe, m.weight, m.bias)) for o, m in zip(outs, layers, strict=True)):
+            alone = [F.linear(probe, m.weight, m.bias) for m in layers]
+            same = torch.equal if make is None else _near
+            if not all(same(o, a) for o, a in zip(outs, alone, strict=True)):
                 log.warning("fused %s differ from separate products; left unfused", "/".join(names))
                 continue
             setattr(parent, names[0], head)
@@ -136,6 +146,10 @@ def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device
                 setattr(parent, n, FusedPart(head, i))
             fused += 1
     return fused
+
+
+def _near(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool((a.float() - b.float()).abs().max() <= 0.1 * b.float().abs().max())
 
 
 def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:

@@ -45,6 +45,7 @@ from .lean_forward import LeanDecoder
 from .loader import load_model
 from .logits_processors import ConstraintTracker
 from .packed_linear import fuse_projections, pack_linears
+from .quantize import apply_int8, int8_kernels
 from .sampler import Sampler
 
 log = logging.getLogger("ferry.worker.runner")
@@ -106,8 +107,16 @@ class ModelRunner:
         # oneDNN-packed weights (packed_linear.py). A head tied to the embedding gets its own
         # packed copy (SmolLM2: 57 MB more) for 1.3x at a decode batch of 64 and 1.8x for one
         # decode (docs/benchmarks.md, "CPU worker speed, third session").
-        fused = fuse_projections(self.body, self.dtype, self.device)
-        packed = pack_linears(self.body, self.dtype, self.device)
+        if config.quantization == "int8":
+            # W8A8 (quantize.py): q/k/v and gate/up fused first, so each group is one int8 product
+            ops = int8_kernels()
+            fused, quantized = apply_int8(self.model, self.body, self.vocab_size, ops)
+            log.info("int8: %d linear layers quantized (W8A8, per-token activations, SmoothQuant; %s)",
+                     quantized, "CPU kernels" if ops is not None else "PyTorch ops")
+            packed = 0
+        else:
+            fused = fuse_projections(self.body, self.dtype, self.device)
+            packed = pack_linears(self.body, self.dtype, self.device)
         if fused:
             log.info("%d q/k/v and gate/up groups fused", fused)
         if self.tp is None:
@@ -120,6 +129,8 @@ class ModelRunner:
                     log.info("tied LM head packed as its own copy (%d bytes)", self.lm_head.packed.nbytes)
         if packed:
             log.info("%d linear layers on oneDNN-packed weights", packed)
+        if config.quantization == "int8":
+            self.weight_bytes = _weight_bytes(self.model)
         fused_ops = fuse_elementwise(self.body, self.dtype, self.device)
         if any(fused_ops.values()):
             log.info("fused CPU ops: %s", ", ".join(f"{n} {k}" for k, n in fused_ops.items()))

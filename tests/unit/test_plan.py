@@ -228,27 +228,31 @@ def test_tensor_parallel_2_llama3_8b_on_h100_by_hand(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # tied LM head and no biases; untied with q/k/v biases
-def test_int8_weights_equal_the_quantized_worker_model(kind: str, tmp_path: Path,
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_weights_equal_the_quantized_worker_model(kind: str, dtype: str, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """`ferry plan --quantization int8` predicts the bytes the worker's int8 model really holds."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.worker.quantize import quantize_int8
+    from services.worker.quantize import Int8Linear, apply_int8
     from services.worker.runner import _weight_bytes
     from tests.conftest import cached_tiny_model
 
     folder = cached_tiny_model(kind)
     config = json.loads((folder / "config.json").read_text())
-    model = quantize_int8(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
-    assert cap.int8_weight_bytes(config) == _weight_bytes(model)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    fused, quantized = apply_int8(model, model.model, config["vocab_size"], None)  # what the worker does
+    assert fused == 2 * config["num_hidden_layers"] and quantized == 4 * config["num_hidden_layers"]
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == quantized
+    assert cap.int8_weight_bytes(config, dtype) == _weight_bytes(model)
     rc, rows, _ = run_json(["--model", str(folder), "--quantization", "int8", "--devices", "cpu:64MiB",
-                            "--max-model-len", "1024"], capsys)
+                            "--max-model-len", "1024", "--dtype", dtype], capsys)
     assert rc == 0 and rows[0]["weight_bytes"] == _weight_bytes(model)
-    # SmolLM2-135M by hand: 30 layers x (576 x (576 + 2 x 192) + 576 x 576 + 3 x 576 x 1536) int8 weights,
-    # its tied LM head as an int8 copy (49,152 x 576), and float32 embedding + 61 norms of 576.
+    # SmolLM2-135M by hand, in bfloat16: 30 layers x (576 x (576 + 2 x 192) + 576 x 576 + 3 x 576 x 1536)
+    # int8 weights, float32 per output and input channel of the 4 int8 layers (q/k/v and gate/up fused),
+    # and the bfloat16 embedding (the tied LM head) + 61 norms of 576.
     smol = plan.load_planned_model("smollm2-135m-instruct").config
-    body, head = 30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536), 49152 * 576
-    assert cap.int8_weight_bytes(smol) == body + head + 4 * (head + 61 * 576) == 247_866_624
-    assert plan.main(["--model", str(folder), "--quantization", "int8", "--dtype", "bfloat16"]) == 2
-    assert "float32" in capsys.readouterr().err
+    body = 30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536)
+    channels = 30 * ((576 + 960) + (576 + 576) + (576 + 3072) + (1536 + 576))
+    assert cap.int8_weight_bytes(smol, "bfloat16") == body + 4 * channels + 2 * (49152 * 576 + 61 * 576) == 163_875_456

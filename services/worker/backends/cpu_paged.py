@@ -40,9 +40,9 @@ from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata, write_k
 log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp"))  # + vec512.h
+SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h
 FUNCTIONS = ["paged_decode", "prefill_attention", "prefill_attention_available", "rms_norm", "add_rms_norm",
-             "silu_and_mul", "rotary", "fused_ops_available"]
+             "silu_and_mul", "rotary", "fused_ops_available", "quant_rows", "dequant_rows"]
 
 
 def _cpu_flags() -> str:
@@ -71,7 +71,7 @@ def load_extension() -> Any:
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(CSRC)], verbose=False,
     )
-    log.info("CPU kernels (paged decode, prefill attention, fused ops) ready in %.1fs", time.monotonic() - t0)
+    log.info("CPU kernels (paged decode, prefill attention, fused ops, int8 quantization) ready in %.1fs", time.monotonic() - t0)
     return module
 
 

@@ -1,0 +1,164 @@
+"""``--quantization int8`` layers (services/worker/quantize.py, backends/csrc/int8_ops.cpp).
+
+The W8A8 linear against ``F.linear`` (close, not equal: it rounds on purpose), the CPU
+kernels' quantize/dequantize passes against the PyTorch ops they replace (bit for bit,
+with and without SmoothQuant factors and biases, at sizes that are and are not multiples
+of the kernels' sixteen lanes), the calibration pass, and a whole tiny model through
+``apply_int8``: fused groups, every decoder linear int8, the LM head untouched, outputs
+near the unquantized model's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.packed_linear import FusedHead
+from services.worker.quantize import (
+    Int8Factory,
+    Int8Linear,
+    apply_int8,
+    calibrate,
+    dequant_rows_torch,
+    int8_available,
+    int8_kernels,
+    quant_rows_torch,
+    quantize_weight,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _kernels():  # noqa: ANN202
+    k = int8_kernels()
+    if k is None:
+        pytest.skip("no C++ compiler: int8 layers use the PyTorch ops (tested below on their own)")
+    return k
+
+
+def test_torch_int_mm_runs_here() -> None:
+    assert int8_available() is None
+
+
+def test_weight_quantization_is_per_output_channel() -> None:
+    w = torch.randn(6, 40, generator=_gen(0))
+    w[2] *= 100  # a large row must not cost the others their resolution
+    q, scale = quantize_weight(w)
+    assert q.dtype == torch.int8 and scale.shape == (6,)
+    assert torch.equal(q.abs().amax(dim=1), torch.full((6,), 127, dtype=torch.int8))
+    err = (q.float() * scale[:, None] - w).abs() / scale[:, None]  # in steps of each row's scale
+    assert 0.3 < float(err.max()) <= 0.5 + 1e-4
+
+
+def test_activation_rows_get_their_own_scale() -> None:
+    x = torch.randn(4, 48, generator=_gen(1))
+    x[1] *= 1000
+    q, scale = quant_rows_torch(x)
+    assert torch.equal(q.abs().amax(dim=1), torch.full((4,), 127, dtype=torch.int8))
+    assert torch.allclose(scale, x.abs().amax(dim=1) / 127)
+    zeros = quant_rows_torch(torch.zeros(2, 16))
+    assert torch.equal(zeros[0], torch.zeros(2, 16, dtype=torch.int8)) and bool(torch.isfinite(zeros[1]).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (7, 576, 960), (33, 40, 24), (3, 17, 5)])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_kernels_equal_the_pytorch_ops_bit_for_bit(dtype: torch.dtype, rows: int, k: int, n: int, smooth: bool) -> None:
+    ops = _kernels()
+    x = (torch.randn(rows, k, generator=_gen(2)) * 3).to(dtype)
+    inv = torch.rand(k, generator=_gen(3)) + 0.25 if smooth else None
+    q1, s1 = ops.quant_rows(x, inv)
+    q2, s2 = quant_rows_torch(x, inv)
+    assert torch.equal(q1, q2) and torch.equal(s1, s2)
+    acc = torch.randint(-(2**20), 2**20, (rows, n), dtype=torch.int32, generator=_gen(4))
+    col = torch.rand(n, generator=_gen(5)) * 1e-3
+    for bias in (None, torch.randn(n, generator=_gen(6))):
+        got = ops.dequant_rows(acc, s1, col, bias, dtype is torch.bfloat16)
+        want = dequant_rows_torch(acc, s1, col, bias, dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_close_to_the_float_product(dtype: torch.dtype, bias: bool) -> None:
+    torch.manual_seed(7)
+    linear = nn.Linear(256, 96, bias=bias).to(dtype)
+    x = torch.randn(2, 5, 256, generator=_gen(8)).to(dtype)
+    want = linear(x).detach().float()
+    for kernels in (None, int8_kernels()):
+        got = Int8Linear(linear, kernels)(x)
+        assert got.shape == (2, 5, 96) and got.dtype == dtype
+        assert float((got.float() - want).abs().max()) < 0.03 * float(want.abs().max())
+    # non-contiguous input rows (a transposed view) give the same result as contiguous ones
+    xt = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(Int8Linear(linear)(xt), Int8Linear(linear)(x))
+
+
+def test_smoothquant_rescues_a_token_dominated_by_one_channel() -> None:
+    """One input channel 100x larger than the rest sets every token's scale: without
+    smoothing the other channels round to a few levels; with it the error drops."""
+    torch.manual_seed(9)
+    linear = nn.Linear(128, 64, bias=False)
+    x = torch.randn(64, 128, generator=_gen(10))
+    x[:, 5] *= 100
+    want = linear(x).detach()
+    plain = (Int8Linear(linear)(x) - want).abs().mean()
+    smooth = (Int8Linear(linear, None, x.abs().amax(dim=0))(x) - want).abs().mean()
+    assert float(smooth) < 0.5 * float(plain)
+
+
+def _tiny_model(kind: str, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import cached_tiny_model
+
+    return AutoModelForCausalLM.from_pretrained(cached_tiny_model(kind), dtype=dtype).eval()
+
+
+def test_calibration_sees_every_linear_and_restores_attention() -> None:
+    model = _tiny_model("llama", torch.float32)
+    saved = model.config._attn_implementation
+    stats = calibrate(model, model.model, model.config.vocab_size, tokens=64)
+    linears = [m for m in model.model.modules() if type(m) is nn.Linear]
+    assert set(stats) == set(linears)
+    assert all(v.shape == (m.in_features,) and bool((v > 0).all()) for m, v in stats.items())
+    assert model.config._attn_implementation == saved
+    assert torch.equal(calibrate(model, model.model, model.config.vocab_size, tokens=64)[linears[0]], stats[linears[0]])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_int8_quantizes_the_decoder_and_keeps_the_model_close(kind: str, dtype: torch.dtype) -> None:
+    ref = _tiny_model(kind, dtype)
+    model = _tiny_model(kind, dtype)
+    head = model.get_output_embeddings()
+    fused, quantized = apply_int8(model, model.model, model.config.vocab_size, int8_kernels())
+    layers = model.config.num_hidden_layers
+    assert (fused, quantized) == (2 * layers, 4 * layers)
+    assert not any(type(m) is nn.Linear for m in model.model.modules())
+    assert model.get_output_embeddings() is head and type(head) is nn.Linear  # the LM head stays as it is
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, FusedHead) and isinstance(attn.q_proj.fused, Int8Linear)
+    assert attn.q_proj.fused.inv_smooth is not None  # calibrated: SmoothQuant on
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=_gen(11))
+    with torch.inference_mode():
+        want = ref(ids).logits.float()
+        got = model(ids).logits.float()
+    err = float((got - want).abs().max()) / float(want.abs().max())
+    assert err < 0.1, err
+    assert float(F.cosine_similarity(got.flatten(), want.flatten(), dim=0)) > 0.99
+
+
+def test_factory_uses_the_replaced_layers_range() -> None:
+    a = nn.Linear(32, 8, bias=False)
+    stats = {a: torch.ones(32)}
+    make = Int8Factory(None, stats)
+    assert make(a).inv_smooth is not None
+    joined = nn.Linear(32, 16, bias=False)
+    assert make(joined).inv_smooth is None and make(joined, a).inv_smooth is not None
