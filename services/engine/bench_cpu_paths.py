@@ -14,7 +14,8 @@ busy machine use ``bench_parts``' process CPU times instead).
 - ``fused``: transformers' bfloat16 RMSNorm, rotary embedding and ``silu(gate) * up``
   against ferry's fused kernels (``services/worker/fused_ops.py``) at M = 64 and 2048.
 - ``lmhead``: the tied LM head (49,152 x 576) at M = 1, 8, 64: ``F.linear`` and packed.
-- ``int8``: weight-only int8 (``torch._weight_int8pack_mm``) against packed bfloat16.
+- ``int8``: ``--quantization int8``'s W8A8 layer (quantize, ``torch._int_mm``, dequantize) and
+  weight-only int8 (``torch._weight_int8pack_mm``) against packed bfloat16.
 - ``rate``: the offline engine fed the common load's 64 prompts at 2 requests/s in real
   time (what ``ferry serve`` sees at 2/s, without HTTP): TTFT and end-to-end
   percentiles, and the mean time of steps that carry a prefill and of decode-only steps.
@@ -169,20 +170,30 @@ def part_lmhead() -> list[dict[str, Any]]:
 
 
 def part_int8() -> list[dict[str, Any]]:
+    from torch import nn
+
+    from services.worker.quantize import Int8Linear, int8_kernels
+
     lp, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
+    kernels = int8_kernels()
     rows = []
     for out, inp in ((960, H), (2 * INTER, H), (H, INTER)):
-        w = torch.randn(out, inp).to(BF16)
+        linear = nn.Linear(inp, out, bias=False).to(BF16)
+        w = linear.weight.detach()
         scale = w.float().abs().amax(1) / 127
         wq = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         pw, sc = pack(w, 64), scale.to(BF16)
+        w8a8 = Int8Linear(linear, kernels, torch.ones(inp))
         for m in (1, 64, 2048):
             x = torch.randn(m, inp).to(BF16)
             n = 3 if m == 2048 else 50
             bf = best_ms(lambda: lp(x, pw, None, "none", [], ""), n)
             i8 = best_ms(lambda: torch._weight_int8pack_mm(x, wq, sc), n)
-            rows.append({"part": "int8", "shape": [out, inp], "m": m, "bf16_packed_ms": bf, "int8_weight_only_ms": i8})
-            print(f"int8 [{out}x{inp}] M={m}: bf16 packed {bf:.3f} ms, int8 weight-only {i8:.3f} ms", flush=True)
+            a8 = best_ms(lambda: w8a8(x), n)
+            rows.append({"part": "int8", "shape": [out, inp], "m": m, "bf16_packed_ms": bf, "int8_weight_only_ms": i8,
+                         "w8a8_ms": a8})
+            print(f"int8 [{out}x{inp}] M={m}: bf16 packed {bf:.3f} ms, int8 weight-only {i8:.3f} ms, "
+                  f"W8A8 (--quantization int8) {a8:.3f} ms ({bf / a8:.2f}x packed bf16)", flush=True)
     return rows
 
 
