@@ -40,6 +40,8 @@ from shared.messages import (
 from shared.models import resolve_model
 from shared.transport import connect
 
+from .memory import log_ready_memory, release_freed_memory
+
 if TYPE_CHECKING:
     from .runner import ModelRunner
 
@@ -98,6 +100,7 @@ def serve(config: WorkerConfig) -> int:
         runner = ModelRunner(config)
     except Exception as exc:  # noqa: BLE001 - any load failure is reported, then fatal
         return _fail(results, config, f"load failed: {exc!r}", None)
+    log_ready_memory(runner.model, runner.kv.caches, release_freed_memory())  # what loading freed, back
     log.info(
         "ready: %s in %.1fs, %d KV blocks of %d (%d bytes), weights %d bytes, dtype %s",
         runner.model_dir, runner.load_s, runner.num_kv_blocks, runner.block_size,
