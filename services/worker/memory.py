@@ -8,9 +8,10 @@ worker's memory goes"):
   ones; q/k/v and gate/up are concatenated), and glibc keeps those freed chunks in
   its heap and per-thread arenas instead of returning them to the kernel: ~200 MiB
   of RSS at ready for SmolLM2-135M. ``release_freed_memory`` (``malloc_trim(0)``,
-  shared/heap.py) hands back every whole free page at the end of start-up. It only
-  ever releases *free* chunks: the KV cache (written in full by ``KVCache.allocate``)
-  and the weights stay resident.
+  shared/heap.py) hands back every whole free page at the end of start-up, and once
+  more when the grammar tokenizer (loaded in a side thread from start-up, often done
+  only after ready) has loaded: 20-30 MiB more. It only ever releases *free* chunks:
+  the KV cache (written in full by ``KVCache.allocate``) and the weights stay resident.
 """
 
 from __future__ import annotations

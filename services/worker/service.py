@@ -40,7 +40,7 @@ from shared.messages import (
 from shared.models import resolve_model
 from shared.transport import connect
 
-from .memory import log_ready_memory, release_freed_memory
+from .memory import log_ready_memory, release_and_log, release_freed_memory
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -101,6 +101,8 @@ def serve(config: WorkerConfig) -> int:
     except Exception as exc:  # noqa: BLE001 - any load failure is reported, then fatal
         return _fail(results, config, f"load failed: {exc!r}", None)
     log_ready_memory(runner.model, runner.kv.caches, release_freed_memory())  # what loading freed, back
+    # The grammar tokenizer loads in a side thread, often past this point: trim its leftovers too.
+    runner.constraints.when_tokenizer_loaded(lambda: release_and_log("grammar tokenizer loaded", log))
     log.info(
         "ready: %s in %.1fs, %d KV blocks of %d (%d bytes), weights %d bytes, dtype %s",
         runner.model_dir, runner.load_s, runner.num_kv_blocks, runner.block_size,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import pytest
 import torch
 from torch import nn
 
+from services.worker.logits_processors import ConstraintTracker
 from services.worker.memory import (
     host_tensor_bytes,
     log_ready_memory,
@@ -79,3 +81,26 @@ def test_ready_report_splits_rss_and_never_raises() -> None:
     assert parts["kv_cache"] == 128 and parts["weights"] == 16 * 16 * 4
     assert parts["rest"] == parts["rss"] - 128 - 1024
     assert log_ready_memory(object(), kv, released=0) == {}  # type: ignore[arg-type]
+
+
+def test_callback_once_the_tokenizer_has_loaded() -> None:
+    release = threading.Event()
+
+    def load() -> object:
+        release.wait(10)
+        raise RuntimeError("no tokenizer here")  # a failed load ends the wait too
+
+    calls: list[str] = []
+    called = threading.Event()
+    tracker = ConstraintTracker(load)  # type: ignore[arg-type]
+    try:
+        tracker.when_tokenizer_loaded(lambda: (calls.append("later"), called.set()))
+        assert calls == []
+        release.set()
+        assert called.wait(10)  # in the loading thread, right after the load ended
+        with pytest.raises(RuntimeError):
+            tracker.grammar_cache()
+        tracker.when_tokenizer_loaded(lambda: calls.append("now"))  # already done: runs at once, here
+        assert calls == ["later", "now"]
+    finally:
+        tracker.close()
