@@ -1,6 +1,6 @@
 """The worker's resident memory outside the KV cache: what start-up leaves behind, and what it never needs.
 
-What costs a CPU worker memory it does not use (docs/worker.md, "Where the
+Two things cost a CPU worker memory it does not use (docs/worker.md, "Where the
 worker's memory goes"):
 
 - loading frees a lot (transformers reads the float32 safetensors and converts them
@@ -12,13 +12,21 @@ worker's memory goes"):
   more when the grammar tokenizer (loaded in a side thread from start-up, often done
   only after ready) has loaded: 20-30 MiB more. It only ever releases *free* chunks:
   the KV cache (written in full by ``KVCache.allocate``) and the weights stay resident.
+- transformers' ``modeling_utils`` imports ``torch._dynamo`` (a decorator in its
+  DeepGEMM integration), which imports Triton whenever it is installed (the dev
+  extra, or a CUDA build of torch): ~50 MiB resident, 48 of them libtriton.so. Nothing
+  in a CPU worker runs Triton, so ``keep_out_unused_modules`` marks it absent
+  (``sys.modules["triton"] = None``: imports raise ``ImportError``, ``find_spec``
+  answers None, which torch and transformers read as "no Triton") before the model
+  code is imported.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Iterable, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from shared.heap import release_and_log, release_freed_memory, rss_bytes
 
@@ -27,8 +35,29 @@ if TYPE_CHECKING:  # no torch at import: service.py imports this before the slow
 
 log = logging.getLogger("ferry.worker.memory")
 
-__all__ = ["log_ready_memory", "release_and_log", "release_freed_memory",
+__all__ = ["keep_out_unused_modules", "log_ready_memory", "release_and_log", "release_freed_memory",
            "host_tensor_bytes", "module_tensors"]
+
+
+# Imported by a CPU worker's dependencies, run by nothing in it (see the module docstring).
+CPU_UNUSED_MODULES = ("triton",)
+
+
+def keep_out_unused_modules(device: str, modules: MutableMapping[str, Any] | None = None) -> list[str]:
+    """On a CPU worker, mark the modules it never runs as absent; the names marked.
+
+    Only names not imported yet are marked (an imported module stays usable), and
+    nothing on a GPU worker: the triton attention backend needs Triton there.
+    """
+    if not device.startswith("cpu"):
+        return []
+    mods: MutableMapping[str, Any] = sys.modules if modules is None else modules
+    marked = []
+    for name in CPU_UNUSED_MODULES:
+        if name not in mods:
+            mods[name] = None
+            marked.append(name)
+    return marked
 
 
 def host_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -40,7 +40,7 @@ from shared.messages import (
 from shared.models import resolve_model
 from shared.transport import connect
 
-from .memory import log_ready_memory, release_and_log, release_freed_memory
+from .memory import keep_out_unused_modules, log_ready_memory, release_and_log, release_freed_memory
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -92,6 +92,7 @@ def serve(config: WorkerConfig) -> int:
     plans = connect(ctx, zmq.SUB, config.plan_endpoint, SUBSCRIBE=b"")
     results = connect(ctx, zmq.PUSH, config.result_endpoint)
     parent = os.getppid()
+    keep_out_unused_modules(config.device)  # before transformers imports torch._dynamo (memory.py)
     try:
         resolve_model(config.model)  # a bad name fails before the slow torch import
         from .runner import ModelRunner, set_num_threads

@@ -2,13 +2,15 @@
 
 No assertion on how much RSS anything saves (that depends on the allocator's
 history and on the machine); these check what the helpers return, that they
-never raise, and the tensor census.
+never raise, which modules a CPU worker keeps out, and the tensor census.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import sys
 import threading
 
 import pytest
@@ -18,10 +20,44 @@ from torch import nn
 from services.worker.logits_processors import ConstraintTracker
 from services.worker.memory import (
     host_tensor_bytes,
+    keep_out_unused_modules,
     log_ready_memory,
     module_tensors,
 )
 from shared import heap
+
+
+def test_cpu_worker_keeps_triton_out() -> None:
+    modules: dict[str, object] = {}
+    assert keep_out_unused_modules("cpu", modules) == ["triton"]
+    assert modules == {"triton": None}
+    assert keep_out_unused_modules("cpu", modules) == []  # already decided: nothing marked twice
+
+
+def test_gpu_worker_and_imported_modules_are_left_alone() -> None:
+    modules: dict[str, object] = {}
+    assert keep_out_unused_modules("cuda", modules) == []
+    assert keep_out_unused_modules("cuda:1", modules) == []
+    assert modules == {}
+    loaded = {"triton": sys}  # imported before the worker decided: stays usable
+    assert keep_out_unused_modules("cpu", loaded) == []
+    assert loaded["triton"] is sys
+
+
+def test_a_module_marked_absent_reads_as_not_installed() -> None:
+    """What torch (``import triton`` in a try) and transformers (``find_spec``) see."""
+    missing = object()
+    saved = sys.modules.pop("triton", missing)  # other tests may have imported it: put back below
+    try:
+        assert keep_out_unused_modules("cpu") == ["triton"]  # the real sys.modules
+        assert importlib.util.find_spec("triton") is None
+        with pytest.raises(ImportError):
+            import triton  # noqa: F401
+    finally:
+        if saved is missing:
+            sys.modules.pop("triton", None)
+        else:
+            sys.modules["triton"] = saved  # type: ignore[assignment]
 
 
 def test_release_freed_memory_on_glibc() -> None:
