@@ -19,6 +19,7 @@ from services.gateway.ops_auth import is_loopback
 from services.gateway.routing import policy_from_config
 from shared.config import GatewayConfig, add_config_args, config_from_args
 from shared.config_checks import config_errors, exit_on_errors
+from shared.heap import release_and_log
 from shared.logs import add_logging_args, setup_logging_from_args
 
 log = logging.getLogger("ferry.gateway")
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.gateway.app import build_app
 
     app = build_app(config)
+    release_and_log("tokenizer loaded", log)  # what parsing tokenizer.json freed (~29 MiB, shared/heap.py)
     st = app.state.gateway
     log.info("gateway starting", extra={"config": st.effective_config()["gateway"], "gateway_id": st.gateway_id,
                                         "tokenizer": str(st.tokenizer.folder)})

@@ -18,6 +18,7 @@ without a leading space, and its last token is masked after the others).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,6 +38,9 @@ from shared.grammar import (
     load_tokenizer,
     regex_grammar,
 )
+from shared.heap import release_and_log
+
+log = logging.getLogger("ferry.gateway.structured")
 
 MAX_LOGIT_BIAS = 100.0
 
@@ -59,6 +63,7 @@ class GrammarChecker:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = load_tokenizer(*self._args)
+                release_and_log("grammar tokenizer loaded", log)  # what parsing it freed (shared/heap.py)
             return self._tokenizer
 
     def check(self, grammar: str) -> None:

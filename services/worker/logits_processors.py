@@ -153,6 +153,10 @@ class ConstraintTracker:
     def grammar_cache(self) -> GrammarCache:
         return self._cache.result()
 
+    def when_tokenizer_loaded(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` once the start-up tokenizer load has ended (in its thread, or now if it has)."""
+        self._cache.add_done_callback(lambda _: callback())
+
     def sync(self, plan: StepPlan) -> None:
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self._grammars.pop(req_id, None)

@@ -40,6 +40,8 @@ from shared.messages import (
 from shared.models import resolve_model
 from shared.transport import connect
 
+from .memory import keep_out_unused_modules, log_ready_memory, release_and_log, release_freed_memory
+
 if TYPE_CHECKING:
     from .runner import ModelRunner
 
@@ -90,6 +92,7 @@ def serve(config: WorkerConfig) -> int:
     plans = connect(ctx, zmq.SUB, config.plan_endpoint, SUBSCRIBE=b"")
     results = connect(ctx, zmq.PUSH, config.result_endpoint)
     parent = os.getppid()
+    keep_out_unused_modules(config.device)  # before transformers imports torch._dynamo (memory.py)
     try:
         resolve_model(config.model)  # a bad name fails before the slow torch import
         from .runner import ModelRunner, set_num_threads
@@ -98,6 +101,9 @@ def serve(config: WorkerConfig) -> int:
         runner = ModelRunner(config)
     except Exception as exc:  # noqa: BLE001 - any load failure is reported, then fatal
         return _fail(results, config, f"load failed: {exc!r}", None)
+    log_ready_memory(runner.model, runner.kv.caches, release_freed_memory())  # what loading freed, back
+    # The grammar tokenizer loads in a side thread, often past this point: trim its leftovers too.
+    runner.constraints.when_tokenizer_loaded(lambda: release_and_log("grammar tokenizer loaded", log))
     log.info(
         "ready: %s in %.1fs, %d KV blocks of %d (%d bytes), weights %d bytes, dtype %s",
         runner.model_dir, runner.load_s, runner.num_kv_blocks, runner.block_size,
