@@ -127,7 +127,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False
     """On a GPU: never capture CUDA graphs; every step runs eagerly (vLLM's name)."""
     quantization: str = "none"
-    """'none' or 'int8' (dynamic int8 weights for the linear layers, CPU only; docs/worker.md)."""
+    """'none' or 'int8' (W8A8: int8 weights and per-token int8 activations in the decoder's linear
+    layers, SmoothQuant-calibrated at load; CPU only; docs/worker.md)."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
