@@ -185,12 +185,15 @@ def test_many_decodes_at_real_head_sizes(backend_name: str, dtype: torch.dtype, 
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype,bf16_dot", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
+                                            (torch.float32, True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4), (14, 2)])
-def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, head_dim: int, heads: tuple[int, int]) -> None:
+def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: bool, head_dim: int,
+                                                 heads: tuple[int, int]) -> None:
     """cpu_paged's fresh-chunk kernel: several prompts (tile and key-block edges: 1, 15-17, 32-33, 200
-    tokens) packed behind two decode rows, q/k/v as strided views of one product, 2 threads."""
+    tokens) packed behind two decode rows, q/k/v as strided views of one product, 2 threads; bfloat16
+    through AVX512-BF16 dot products (where the CPU has them) and through float32 FMAs."""
     from services.worker.backends.cpu_paged import load_extension
 
     try:
@@ -213,7 +216,7 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, head_dim: i
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        kernel.prefill_attention(q, k, v, out, spans, head_dim**-0.5)
+        kernel.prefill_attention(q, k, v, out, spans, head_dim**-0.5, bf16_dot)
     finally:
         torch.set_num_threads(threads)
     assert torch.all(out[:2] == 7.0)  # rows outside the spans are left alone

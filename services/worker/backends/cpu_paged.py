@@ -89,6 +89,11 @@ def prefill_kernel_enabled() -> bool:
     return os.environ.get("FERRY_CPU_PREFILL_KERNEL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def prefill_bf16_dot_enabled() -> bool:
+    """``FERRY_CPU_PREFILL_BF16_DOT=0``: bfloat16 prompts through float32 FMAs, not bf16 dot products."""
+    return os.environ.get("FERRY_CPU_PREFILL_BF16_DOT", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class CpuPagedBackend(ReferenceBackend):
     name = "cpu_paged"
 
@@ -96,6 +101,7 @@ class CpuPagedBackend(ReferenceBackend):
         super().__init__(device)
         self.kernel = load_extension()
         self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
+        self.bf16_dot = prefill_bf16_dot_enabled()
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
         chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
@@ -136,7 +142,7 @@ class CpuPagedBackend(ReferenceBackend):
         out = query.new_empty(query.shape)
         out[:nd] = decoded
         if metadata.fresh_spans is not None and query.shape[-1] in (64, 128) and query.dtype != torch.float32:
-            self.kernel.prefill_attention(query, key, value, out, metadata.fresh_spans, scale)
+            self.kernel.prefill_attention(query, key, value, out, metadata.fresh_spans, scale, self.bf16_dot)
         elif metadata.fresh_spans is not None:  # float32 (token-exact with transformers) or another head size
             fresh = [PrefillSpan(int(a), int(b), 0, None, None) for a, b in metadata.fresh_spans.tolist()]
             self._prefills_forward(query, key, value, k_cache, v_cache, fresh, scale, out)

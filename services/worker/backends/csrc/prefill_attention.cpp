@@ -13,12 +13,16 @@
 // as many late (long) tiles as early (short) ones.
 //
 // All in float32, any token/head strides (head_dim contiguous); the output is written
-// into the step's output tensor at the chunks' rows.
+// into the step's output tensor at the chunks' rows. bfloat16 on a CPU with AVX512-BF16
+// takes prefill_kernel_bf16 instead (bf16 dot products, keys and values laid out once per
+// chunk: 2.3x on 10 x 200-token prompts).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -156,12 +160,159 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
     }
   });
 }
+#if defined(__AVX512BF16__)
+// bfloat16 on CPUs with AVX512-BF16: Q.K^T and P.V as bf16 dot products (vdpbf16ps, two
+// products per float32 lane and instruction, half the instructions of float32 FMAs), with
+// each chunk's keys and values laid out once per (chunk, KV head) before the work items
+// run, instead of once per query tile: keys as [tile][D/2][BK] pairs of dimensions, values
+// as [tile][BK/2][D] pairs of keys. P is rounded to bfloat16 for P.V, as GPU flash kernels
+// do; the softmax's maximum and sum stay float32.
+template <int64_t NV>
+void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, const c10::BFloat16* k, int64_t k_st,
+                         int64_t k_sh, const c10::BFloat16* v, int64_t v_st, int64_t v_sh, c10::BFloat16* out,
+                         const int64_t* spans, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, float scale) {
+  constexpr int64_t D = NV * 16, DP = D / 2, TILE = DP * BK;  // uint32 per key tile = uint16 pairs per value tile
+  const int64_t G = num_heads / num_kv_heads;
+  const int64_t rows_max = (BQ * G + 3) / 4 * 4;
+  struct Panel { int64_t start, len, kvh, off; };  // off: first tile of this (chunk, KV head) in Kp/Vp
+  std::vector<Panel> panels;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (panel, tile)
+  int64_t num_tiles = 0;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t start = spans[2 * s], len = spans[2 * s + 1] - spans[2 * s];
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      const int64_t n = (len + BK - 1) / BK;
+      for (int64_t t = 0; t < n; ++t) tiles.emplace_back(static_cast<int64_t>(panels.size()), t);
+      panels.push_back({start, len, kvh, num_tiles});
+      num_tiles += n;
+    }
+  }
+  std::vector<uint32_t> Kp(num_tiles * TILE), Vp(num_tiles * TILE);
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Panel& pn = panels[tiles[i].first];
+      const int64_t t = tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.len - k0);
+      uint32_t* kt = Kp.data() + (pn.off + t) * TILE;
+      uint16_t* vt = reinterpret_cast<uint16_t*>(Vp.data() + (pn.off + t) * TILE);
+      std::fill(kt, kt + TILE, 0u);
+      std::fill(vt, vt + 2 * TILE, uint16_t{0});
+      for (int64_t c = 0; c < kn; ++c) {
+        const int64_t tok = pn.start + k0 + c;
+        const uint32_t* kr = reinterpret_cast<const uint32_t*>(kb + tok * k_st + pn.kvh * k_sh);
+        for (int64_t p = 0; p < DP; ++p) kt[p * BK + c] = kr[p];
+        const uint16_t* vr = vb + tok * v_st + pn.kvh * v_sh;
+        uint16_t* dst = vt + (c / 2) * 2 * D + (c % 2);
+        for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
+      }
+    }
+  });
+  struct Item { int64_t panel, q0; };
+  std::vector<Item> items;
+  for (int64_t pi = 0; pi < static_cast<int64_t>(panels.size()); ++pi) {
+    const int64_t n = (panels[pi].len + BQ - 1) / BQ;
+    for (int64_t z = 0; z < n; ++z) items.push_back({pi, ((z % 2 == 0) ? z / 2 : n - 1 - z / 2) * BQ});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> O(rows_max * D), S(rows_max * BK), m(rows_max), l(rows_max);
+    std::vector<uint32_t> P(rows_max * BK / 2);
+    std::vector<const uint32_t*> qrow(rows_max);
+    const std::vector<uint32_t> zero_row(DP, 0u);
+    for (int64_t it = begin; it < end; ++it) {
+      const Panel& pn = panels[items[it].panel];
+      const int64_t q0 = items[it].q0, nq = std::min(BQ, pn.len - q0);
+      const int64_t R = nq * G, Rp = (R + 3) / 4 * 4;
+      for (int64_t r = 0; r < Rp; ++r)  // row r = i * G + g: token i of the tile, head g of the KV head's group
+        qrow[r] = r < R ? reinterpret_cast<const uint32_t*>(q + (pn.start + q0 + r / G) * q_st + (pn.kvh * G + r % G) * q_sh)
+                        : zero_row.data();
+      std::fill(O.begin(), O.begin() + Rp * D, 0.f);
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t kend = q0 + nq;
+      const __m512 sv = _mm512_set1_ps(scale);
+      const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      for (int64_t k0 = 0, t = 0; k0 < kend; k0 += BK, ++t) {
+        const int64_t kn = std::min(BK, kend - k0);
+        const uint32_t* kt = Kp.data() + (pn.off + t) * TILE;
+        const uint32_t* vt = Vp.data() + (pn.off + t) * TILE;
+        for (int64_t r0 = 0; r0 < Rp; r0 += 4) {  // S = scale * Q K^T: four rows x 32 keys per pass
+          __m512 a[4][2];
+          for (auto& row : a) row[0] = row[1] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < DP; ++p) {
+            const __m512bh k0v = (__m512bh)_mm512_loadu_si512(kt + p * BK);
+            const __m512bh k1v = (__m512bh)_mm512_loadu_si512(kt + p * BK + 16);
+            for (int64_t rr = 0; rr < 4; ++rr) {
+              const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qrow[r0 + rr][p]));
+              a[rr][0] = _mm512_dpbf16_ps(a[rr][0], qb, k0v);
+              a[rr][1] = _mm512_dpbf16_ps(a[rr][1], qb, k1v);
+            }
+          }
+          for (int64_t rr = 0; rr < 4; ++rr) {
+            _mm512_storeu_ps(S.data() + (r0 + rr) * BK, _mm512_mul_ps(a[rr][0], sv));
+            _mm512_storeu_ps(S.data() + (r0 + rr) * BK + 16, _mm512_mul_ps(a[rr][1], sv));
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) {  // causal mask and online softmax; P to bfloat16 pairs
+          const int64_t last = std::min(kn, q0 + r / G - k0 + 1);
+          const float* sr = S.data() + r * BK;
+          __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
+          const __mmask16 v0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last)));
+          const __mmask16 v1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last - 16)));
+          s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v0, s0);
+          s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v1, s1);
+          const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+          const float alpha = std::exp(m[r] - mx);
+          const __m512 mxv = _mm512_set1_ps(mx);
+          const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mxv)));
+          const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mxv)));
+          _mm512_storeu_si512(P.data() + r * (BK / 2), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+          l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+          m[r] = mx;
+          if (alpha != 1.f) {
+            const __m512 av = _mm512_set1_ps(alpha);
+            float* orow = O.data() + r * D;
+            for (int64_t vv = 0; vv < NV; ++vv)
+              _mm512_storeu_ps(orow + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(orow + vv * 16), av));
+          }
+        }
+        const int64_t pairs = (kn + 1) / 2;  // O += P V: two rows per pass, two keys per instruction
+        for (int64_t r0 = 0; r0 < R; r0 += 2) {
+          const int64_t nr = std::min<int64_t>(2, R - r0);
+          __m512 acc[2][NV];
+          for (int64_t rr = 0; rr < 2; ++rr)
+            for (int64_t vv = 0; vv < NV; ++vv)
+              acc[rr][vv] = rr < nr ? _mm512_loadu_ps(O.data() + (r0 + rr) * D + vv * 16) : _mm512_setzero_ps();
+          for (int64_t cp = 0; cp < pairs; ++cp) {
+            __m512bh vrow[NV];
+            for (int64_t vv = 0; vv < NV; ++vv) vrow[vv] = (__m512bh)_mm512_loadu_si512(vt + cp * D + vv * 16);
+            for (int64_t rr = 0; rr < 2; ++rr) {
+              const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(P[(r0 + rr) * (BK / 2) + cp]));
+              for (int64_t vv = 0; vv < NV; ++vv) acc[rr][vv] = _mm512_dpbf16_ps(acc[rr][vv], pb, vrow[vv]);
+            }
+          }
+          for (int64_t rr = 0; rr < nr; ++rr)
+            for (int64_t vv = 0; vv < NV; ++vv) _mm512_storeu_ps(O.data() + (r0 + rr) * D + vv * 16, acc[rr][vv]);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = r / G, g = r % G;
+        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        c10::BFloat16* dst = out + ((pn.start + q0 + i) * num_heads + pn.kvh * G + g) * D;
+        for (int64_t vv = 0; vv < NV; ++vv) store16(dst + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + vv * 16), inv));
+      }
+    }
+  });
+}
+#endif
 }  // namespace
 
 // query [T, H, D], key/value [T, KH, D] (any token/head strides, D contiguous); out [T, H, D]
 // contiguous; spans [S, 2] int64 (start, end) of chunks attending causally to their own keys.
+// bf16_dot: bfloat16 through AVX512-BF16 dot products where the CPU has them (else, and when
+// false, float32 FMAs).
 void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor out,
-                       torch::Tensor spans, double scale) {
+                       torch::Tensor spans, double scale, bool bf16_dot) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && out.dim() == 3, "[tokens, heads, dim]");
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1 && out.is_contiguous(),
               "head_dim contiguous, out contiguous");
@@ -181,14 +332,24 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
   };
   switch (query.scalar_type()) {
     case at::kFloat: return run(float{});
-    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kBFloat16:
+#if defined(__AVX512BF16__)
+      if (bf16_dot) {
+        auto kernel = dim == 64 ? prefill_kernel_bf16<4> : prefill_kernel_bf16<8>;
+        return kernel(query.data_ptr<c10::BFloat16>(), query.stride(0), query.stride(1), key.data_ptr<c10::BFloat16>(),
+                      key.stride(0), key.stride(1), value.data_ptr<c10::BFloat16>(), value.stride(0), value.stride(1),
+                      out.data_ptr<c10::BFloat16>(), spans.data_ptr<int64_t>(), spans.size(0), heads, kv_heads,
+                      static_cast<float>(scale));
+      }
+#endif
+      return run(c10::BFloat16{});
     case at::kHalf: return run(c10::Half{});
     default: TORCH_CHECK(false, "float32, bfloat16 or float16");
   }
 }
 bool prefill_attention_available() { return true; }
 #else
-void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double) {
+void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double, bool) {
   TORCH_CHECK(false, "built without AVX-512");
 }
 bool prefill_attention_available() { return false; }
