@@ -32,6 +32,29 @@ namespace {
 constexpr int64_t BQ = 16;  // query tokens per work item
 constexpr int64_t BK = 32;  // keys per tile (two vectors of scores)
 
+// One score row of a key tile: keys [last, BK) masked (causal edge, tile end), the online
+// softmax's running max m and sum l updated, the row's output accumulator rescaled when the
+// max moved; p0/p1 get the row's probabilities (zero where masked).
+template <int64_t NV>
+inline void softmax_row(const float* sr, int64_t last, float& m, float& l, float* orow, __m512& p0, __m512& p1) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __mmask16 v0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last)));
+  const __mmask16 v1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last - 16)));
+  const __m512 s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v0, _mm512_loadu_ps(sr));
+  const __m512 s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v1, _mm512_loadu_ps(sr + 16));
+  const float mx = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+  const float alpha = std::exp(m - mx);  // exp(-inf) = 0 on the first tile
+  const __m512 mxv = _mm512_set1_ps(mx);
+  p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mxv)));
+  p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mxv)));
+  l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  m = mx;
+  if (alpha != 1.f) {
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int64_t vv = 0; vv < NV; ++vv) _mm512_storeu_ps(orow + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(orow + vv * 16), av));
+  }
+}
+
 template <typename scalar_t, int64_t NV>
 void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_t* k, int64_t k_st, int64_t k_sh,
                     const scalar_t* v, int64_t v_st, int64_t v_sh, scalar_t* out, const int64_t* spans,
@@ -104,30 +127,12 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
           }
         }
         // causal mask and online softmax, row by row
-        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         for (int64_t r = 0; r < R; ++r) {
-          const int64_t last = std::min(kn, item.q0 + r / G - k0 + 1);  // keys [0, last) of the tile are visible
           float* sr = S.data() + r * BK;
-          __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
-          const __mmask16 v0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last)));
-          const __mmask16 v1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last - 16)));
-          s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v0, s0);
-          s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v1, s1);
-          const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-          const float alpha = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first tile
-          const __m512 mxv = _mm512_set1_ps(mx);
-          const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mxv)));
-          const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mxv)));
+          __m512 p0, p1;
+          softmax_row<NV>(sr, std::min(kn, item.q0 + r / G - k0 + 1), m[r], l[r], O.data() + r * D, p0, p1);
           _mm512_storeu_ps(sr, p0);
           _mm512_storeu_ps(sr + 16, p1);
-          l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-          m[r] = mx;
-          if (alpha != 1.f) {
-            const __m512 av = _mm512_set1_ps(alpha);
-            float* orow = O.data() + r * D;
-            for (int64_t vv = 0; vv < NV; ++vv)
-              _mm512_storeu_ps(orow + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(orow + vv * 16), av));
-          }
         }
         // O += P V: two rows per pass, the value row loaded once for both
         for (int64_t r0 = 0; r0 < R; r0 += 2) {
@@ -231,7 +236,6 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t kend = q0 + nq;
       const __m512 sv = _mm512_set1_ps(scale);
-      const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
       for (int64_t k0 = 0, t = 0; k0 < kend; k0 += BK, ++t) {
         const int64_t kn = std::min(BK, kend - k0);
         const uint32_t* kt = Kp.data() + (pn.off + t) * TILE;
@@ -254,27 +258,9 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
           }
         }
         for (int64_t r = 0; r < R; ++r) {  // causal mask and online softmax; P to bfloat16 pairs
-          const int64_t last = std::min(kn, q0 + r / G - k0 + 1);
-          const float* sr = S.data() + r * BK;
-          __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
-          const __mmask16 v0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last)));
-          const __mmask16 v1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last - 16)));
-          s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v0, s0);
-          s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v1, s1);
-          const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-          const float alpha = std::exp(m[r] - mx);
-          const __m512 mxv = _mm512_set1_ps(mx);
-          const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mxv)));
-          const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mxv)));
+          __m512 p0, p1;
+          softmax_row<NV>(S.data() + r * BK, std::min(kn, q0 + r / G - k0 + 1), m[r], l[r], O.data() + r * D, p0, p1);
           _mm512_storeu_si512(P.data() + r * (BK / 2), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-          l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-          m[r] = mx;
-          if (alpha != 1.f) {
-            const __m512 av = _mm512_set1_ps(alpha);
-            float* orow = O.data() + r * D;
-            for (int64_t vv = 0; vv < NV; ++vv)
-              _mm512_storeu_ps(orow + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(orow + vv * 16), av));
-          }
         }
         const int64_t pairs = (kn + 1) / 2;  // O += P V: two rows per pass, two keys per instruction
         for (int64_t r0 = 0; r0 < R; r0 += 2) {
