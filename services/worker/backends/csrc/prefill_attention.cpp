@@ -32,6 +32,18 @@ namespace {
 constexpr int64_t BQ = 16;  // query tokens per work item
 constexpr int64_t BK = 32;  // keys per tile (two vectors of scores)
 
+// Two output rows (nr of them real) of D = NV * 16 floats into registers for P.V, and back.
+template <int64_t NV>
+inline void load_rows(const float* o, int64_t nr, __m512 (&acc)[2][NV]) {
+  for (int64_t rr = 0; rr < 2; ++rr)
+    for (int64_t vv = 0; vv < NV; ++vv) acc[rr][vv] = rr < nr ? _mm512_loadu_ps(o + rr * NV * 16 + vv * 16) : _mm512_setzero_ps();
+}
+template <int64_t NV>
+inline void store_rows(float* o, int64_t nr, const __m512 (&acc)[2][NV]) {
+  for (int64_t rr = 0; rr < nr; ++rr)
+    for (int64_t vv = 0; vv < NV; ++vv) _mm512_storeu_ps(o + rr * NV * 16 + vv * 16, acc[rr][vv]);
+}
+
 // One score row of a key tile: keys [last, BK) masked (causal edge, tile end), the online
 // softmax's running max m and sum l updated, the row's output accumulator rescaled when the
 // max moved; p0/p1 get the row's probabilities (zero where masked).
@@ -138,9 +150,7 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
         for (int64_t r0 = 0; r0 < R; r0 += 2) {
           const int64_t nr = std::min<int64_t>(2, R - r0);
           __m512 acc[2][NV];
-          for (int64_t rr = 0; rr < 2; ++rr)
-            for (int64_t vv = 0; vv < NV; ++vv)
-              acc[rr][vv] = rr < nr ? _mm512_loadu_ps(O.data() + (r0 + rr) * D + vv * 16) : _mm512_setzero_ps();
+          load_rows<NV>(O.data() + r0 * NV * 16, nr, acc);
           for (int64_t c = 0; c < kn; ++c) {
             __m512 vrow[NV];
             for (int64_t vv = 0; vv < NV; ++vv) vrow[vv] = _mm512_loadu_ps(Vf.data() + c * D + vv * 16);
@@ -149,8 +159,7 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
               for (int64_t vv = 0; vv < NV; ++vv) acc[rr][vv] = _mm512_fmadd_ps(p, vrow[vv], acc[rr][vv]);
             }
           }
-          for (int64_t rr = 0; rr < nr; ++rr)
-            for (int64_t vv = 0; vv < NV; ++vv) _mm512_storeu_ps(O.data() + (r0 + rr) * D + vv * 16, acc[rr][vv]);
+          store_rows<NV>(O.data() + r0 * NV * 16, nr, acc);
         }
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -266,9 +275,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
         for (int64_t r0 = 0; r0 < R; r0 += 2) {
           const int64_t nr = std::min<int64_t>(2, R - r0);
           __m512 acc[2][NV];
-          for (int64_t rr = 0; rr < 2; ++rr)
-            for (int64_t vv = 0; vv < NV; ++vv)
-              acc[rr][vv] = rr < nr ? _mm512_loadu_ps(O.data() + (r0 + rr) * D + vv * 16) : _mm512_setzero_ps();
+          load_rows<NV>(O.data() + r0 * NV * 16, nr, acc);
           for (int64_t cp = 0; cp < pairs; ++cp) {
             __m512bh vrow[NV];
             for (int64_t vv = 0; vv < NV; ++vv) vrow[vv] = (__m512bh)_mm512_loadu_si512(vt + cp * D + vv * 16);
@@ -277,8 +284,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
               for (int64_t vv = 0; vv < NV; ++vv) acc[rr][vv] = _mm512_dpbf16_ps(acc[rr][vv], pb, vrow[vv]);
             }
           }
-          for (int64_t rr = 0; rr < nr; ++rr)
-            for (int64_t vv = 0; vv < NV; ++vv) _mm512_storeu_ps(O.data() + (r0 + rr) * D + vv * 16, acc[rr][vv]);
+          store_rows<NV>(O.data() + r0 * NV * 16, nr, acc);
         }
       }
       for (int64_t r = 0; r < R; ++r) {
