@@ -127,7 +127,7 @@ def run_ferry(work: Workload, dtype: str, args: argparse.Namespace) -> Run:
     holder: dict[str, Run] = {}
     shares = profile_shares(
         lambda: holder.setdefault("run", timed("ferry", dtype, args.threads, work, settings, go)),
-        llm.runner.model, llm.runner.sampler,
+        llm.runner.model, llm.runner.sampler, llm.runner.lean, llm.runner.attn_backend,
     )
     run = holder["run"]
     run.profile = shares

@@ -92,23 +92,30 @@ def _key(fn: Any) -> tuple[str, int, str]:
     return code.co_filename, code.co_firstlineno, code.co_name
 
 
-def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any) -> dict[str, Any]:
+def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any, lean: Any = None,
+                   backend: Any = None) -> dict[str, Any]:
     """Run ``fn`` under cProfile; seconds per part of the decoder body and their shares.
 
     Parts are recognized by the code objects of the model's own modules (cProfile keys
-    functions by file, line and name), so this follows whatever classes the model uses.
-    Times are process CPU seconds. Shares are of the body's cumulative time; the LM head (a Linear called by the runner)
-    and the sampler are reported beside it. cProfile inflates Python-heavy parts.
+    functions by file, line and name), so this follows whatever classes the model uses;
+    with the runner's lean forward (``lean``, services/worker/lean_forward.py) the body is
+    its ``__call__``, attention is the backend's ``forward`` it calls, and the CPU kernels it
+    calls directly (``add_rms_norm``, ``rotary``, ``silu_and_mul``) count by name.
+    Times are process CPU seconds. Shares are of the body's cumulative time; the LM head (a
+    linear layer called by the runner) and the sampler are reported beside it. cProfile
+    inflates Python-heavy parts.
     """
     import sys
 
     from services.worker.attention import paged_attention
+    from services.worker.packed_linear import PackedLinear
+    from services.worker.quantize import Int8Linear
 
     body = model.get_decoder()
     keys: dict[str, set[tuple[str, int, str]]] = {k: set() for k in ("rmsnorm", "rope", "activation")}
     for mod in body.modules():
         name = type(mod).__name__
-        if name.endswith("RMSNorm"):
+        if name.endswith("RMSNorm") and name != "FusedRMSNorm":  # the fused one counts as its kernel, below
             keys["rmsnorm"].add(_key(type(mod).forward))
         elif name.endswith("RotaryEmbedding"):
             keys["rope"].add(_key(type(mod).forward))
@@ -116,38 +123,62 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any) -> dict[str,
             keys["activation"].add(_key(type(mod).forward))
     modeling = sys.modules[type(body).__module__]
     if hasattr(modeling, "apply_rotary_pos_emb"):
-        keys["rope"].add(_key(modeling.apply_rotary_pos_emb))
-    keys["attention"] = {_key(paged_attention)}
-    # nn.Linear, or the int8 dynamic Linear that --quantization int8 puts in its place.
-    linear_keys = {_key(type(m).forward) for m in model.modules() if type(m).__name__ == "Linear"}
+        keys["rope"].add(_key(modeling.apply_rotary_pos_emb))  # fused_ops' patched one when it is on
+    if lean is not None and backend is not None:
+        keys["attention"] = {_key(type(backend).forward)}
+        body_key = _key(type(lean).__call__)
+    else:
+        keys["attention"] = {_key(paged_attention)}
+        body_key = _key(type(body).forward)
+    # the leaf linear layers: nn.Linear, the oneDNN-packed one, --quantization int8's (a fused
+    # q/k/v or gate/up group's FusedHead only calls one of these)
+    leaves = (torch.nn.Linear, PackedLinear, Int8Linear)
+    linear_keys = {_key(type(m).forward) for m in model.modules() if type(m) in leaves}
     # CPU time of the whole process (every intra-op thread), not wall time: on a shared
     # machine wall time charges other jobs' turns to whatever function was running.
+    # The LM head is often the same class as the body's linears: a wrapper of its own
+    # (an instance attribute over the class's forward) gives it its own cProfile key.
+    head = model.get_output_embeddings()
+    inner = head.forward
+
+    def lm_head_forward(*args: Any, **kwargs: Any) -> Any:
+        return inner(*args, **kwargs)
+
+    head.forward = lm_head_forward
     prof = cProfile.Profile(time.process_time)
-    prof.enable()
-    fn()
-    prof.disable()
+    try:
+        prof.enable()
+        fn()
+        prof.disable()
+    finally:
+        del head.forward
     stats: dict[Any, Any] = pstats.Stats(prof).stats  # type: ignore[attr-defined]
 
     def cum(k: tuple[str, int, str]) -> float:
         return float(stats[k][3]) if k in stats else 0.0
 
-    body_s = cum(_key(type(body).forward))
+    def kernel(name: str, caller: tuple[str, int, str] | None = None) -> float:
+        """A compiled op's time, by its name (only its calls from ``caller`` if given)."""
+        total = 0.0
+        for k, row in stats.items():
+            if k[0] == "~" and k[2].startswith("<built-in method ") and k[2].endswith(f".{name}>"):
+                total += float(row[3]) if caller is None else sum(float(v[3]) for c, v in row[4].items() if c == caller)
+        return total
+
+    body_s = cum(body_key)
     parts = {name: sum(cum(k) for k in ks) for name, ks in keys.items()}
-    lin_total, head_s = 0.0, 0.0
-    for key in linear_keys:
-        row: Any = stats.get(key)
-        if row is None:
-            continue
-        lin_total += float(row[3])
-        # The LM head is the Linear the runner calls directly: its callers tell them apart.
-        head_s += sum(float(v[3]) for c, v in row[4].items() if c[0].endswith("services/worker/runner.py"))
-    parts["linear"] = lin_total - head_s
+    parts["rmsnorm"] += kernel("rms_norm") + kernel("add_rms_norm")
+    parts["activation"] += kernel("silu_and_mul")
+    if lean is not None:
+        parts["rope"] += kernel("rotary", caller=body_key)  # the lean forward's own calls (fused mode)
+    head_s = cum(_key(lm_head_forward))
+    parts["linear"] = sum(cum(k) for k in linear_keys) - head_s
     parts["other"] = body_s - sum(parts.values())
     sampler_s = cum(_key(type(sampler).__call__))
     shares = {k: round(v / body_s, 3) if body_s else 0.0 for k, v in parts.items()}
     out: dict[str, Any] = {
-        "body_s": round(body_s, 2), "lm_head_s": round(head_s, 2), "sampler_s": round(sampler_s, 2),
-        "parts_s": {k: round(v, 2) for k, v in parts.items()},
+        "body_s": round(body_s, 4), "lm_head_s": round(head_s, 4), "sampler_s": round(sampler_s, 4),
+        "parts_s": {k: round(v, 4) for k, v in parts.items()},
         "shares_of_body": shares,
     }
     print("profile: body {body_s} s, LM head {lm_head_s} s, sampler {sampler_s} s; shares of the body: ".format(**out)
