@@ -22,3 +22,18 @@ def test_a_fixed_dtype_runs_once_in_the_first_pass() -> None:
 def test_unknown_servers_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown server 'tgi'"):
         server_runs("ferry,tgi", ["float32"])
+
+
+def test_the_board_notes_int8_rows_only_when_there_are_some() -> None:
+    from loadtests.peers import board
+
+    meta = {"date": "d", "cpu": {"model": "m", "cores": 2, "flags": []}, "load_average_start": [0.0],
+            "vllm": "0.32.0", "num_requests": 64, "prompt_tokens": 200, "max_tokens": 64, "rate": 2.0,
+            "command": "c"}
+    run = {"output_tok_s": 300.0, "ttft_p95_ms": 100.0, "e2e_p95_ms": 900.0, "errors": 0}
+    row = {"label": "ferry serve --quantization int8", "dtype": "bfloat16", "server": "ferry-int8",
+           "burst": run, "rate": run, "peak_rss_bytes": 2 << 30}
+    note = "int8 rows are set against the GEMM limit"
+    assert note in board({"meta": meta, "gemm_limits": {}, "servers": [row]})
+    plain = {**row, "label": "ferry serve", "server": "ferry"}
+    assert note not in board({"meta": meta, "gemm_limits": {}, "servers": [plain]})
