@@ -224,3 +224,55 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: b
                                                             spans.tolist()], head_dim**-0.5)
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
     torch.testing.assert_close(out[2:].float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,bf16_dot", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
+                                            (torch.float32, True)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4), (16, 2), (14, 2)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_decodes", [3, 12])
+def test_decode_kernel_matches_attention(dtype: torch.dtype, bf16_dot: bool, head_dim: int, heads: tuple[int, int],
+                                         block_size: int, num_decodes: int) -> None:
+    """cpu_paged's decode kernel on a shuffled cache: group sizes 1-4 and 8 (compiled per group)
+    and 7 (the generic path), contexts of 1 token, odd lengths and 15-17, 31-33 and 200 tokens
+    (the sixteen-token passes and the two-token value steps), one work item per request (12
+    decodes on 2 threads) and per KV head (3); bfloat16 through AVX512-BF16 dot products (where
+    the CPU has them) and through float32 FMAs."""
+    from services.worker.backends.cpu_paged import load_extension
+
+    try:
+        kernel = load_extension()
+    except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
+        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
+    num_heads, kv_heads = heads
+    lens = [1, 200, 33, 16, 17, 15, 32, 31, 2, 5, 64, 100][:num_decodes]
+    gen = torch.Generator().manual_seed(head_dim + num_heads + block_size)
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        table[i, :nb] = order[used : used + nb].to(torch.int32)
+        used += nb
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32),
+                                  head_dim**-0.5, bf16_dot)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.dtype == dtype and out.shape == q.shape
+    contexts = []
+    for i, n in enumerate(lens):
+        slots = (table[i, : -(-n // block_size)].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        contexts.append((k_cache.view(-1, kv_heads, head_dim)[slots].float(),
+                         v_cache.view(-1, kv_heads, head_dim)[slots].float()))
+    expected = _dense([(1, n) for n in lens], q.float(), contexts, head_dim**-0.5)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)

@@ -89,9 +89,10 @@ def prefill_kernel_enabled() -> bool:
     return os.environ.get("FERRY_CPU_PREFILL_KERNEL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def prefill_bf16_dot_enabled() -> bool:
-    """``FERRY_CPU_PREFILL_BF16_DOT=0``: bfloat16 prompts through float32 FMAs, not bf16 dot products."""
-    return os.environ.get("FERRY_CPU_PREFILL_BF16_DOT", "1").strip().lower() not in ("0", "false", "no", "off")
+def bf16_dot_enabled() -> bool:
+    """``FERRY_CPU_BF16_DOT=0``: bfloat16 attention (prompts and decodes) through float32 FMAs,
+    not AVX512-BF16 dot products."""
+    return os.environ.get("FERRY_CPU_BF16_DOT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class CpuPagedBackend(ReferenceBackend):
@@ -101,7 +102,7 @@ class CpuPagedBackend(ReferenceBackend):
         super().__init__(device)
         self.kernel = load_extension()
         self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
-        self.bf16_dot = prefill_bf16_dot_enabled()
+        self.bf16_dot = bf16_dot_enabled()
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
         chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
@@ -136,7 +137,8 @@ class CpuPagedBackend(ReferenceBackend):
         write_kv(key, value, k_cache, v_cache, metadata.chunks.slot_mapping)
         nd = metadata.num_decodes
         q = query[:nd].to(k_cache.dtype).contiguous()
-        decoded = self.kernel.paged_decode(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, scale)
+        decoded = self.kernel.paged_decode(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, scale,
+                                           self.bf16_dot)
         if nd == query.shape[0]:
             return decoded.to(query.dtype)
         out = query.new_empty(query.shape)

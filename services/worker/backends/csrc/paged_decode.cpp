@@ -165,6 +165,176 @@ static inline void decode_one(const scalar_t* q, const scalar_t* kc, const scala
   }
 }
 
+// Sixteen vectors to one: lane j holds the sum of v[j]'s sixteen lanes. A transpose-and-add
+// tree: 45 shuffles and adds where sixteen separate horizontal sums take about 130.
+static inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+static inline void store_out(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+static inline void store_out(c10::BFloat16* p, __m512 x) { store16(p, x); }
+static inline void store_out(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+struct HeadScratch {
+  std::vector<int64_t> off;  // each context token's row in the cache (element offset)
+  std::vector<float> scores;
+};
+
+// One request's KV heads [kv0, kv1) and the G query heads of each (G and the head size
+// compile-time). Keys sixteen tokens at a time, every KV head of the range from the same
+// rows (whole rows of the cache when the range is all heads: one contiguous stretch per
+// block): one partial-product vector per token, folded into sixteen scores by hsum16.
+// Values one KV head at a time, the group's accumulators in registers. BF16DOT (bfloat16
+// cache, AVX512-BF16): Q.K^T and P.V as bf16 dot products (vdpbf16ps), P rounded to
+// bfloat16 as the prompt kernel and GPU flash kernels do; otherwise keys and values are
+// widened to float32 and multiplied with FMAs.
+template <typename scalar_t, int64_t NV, int64_t G, bool BF16DOT>
+static inline void decode_group(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* table,
+                                int64_t len, scalar_t* out, int64_t kv0, int64_t kv1, int64_t num_kv_heads,
+                                int64_t block_size, float scale, HeadScratch& s) {
+  constexpr int64_t HD = NV * 16;
+  const int64_t token_stride = num_kv_heads * HD, nkv = kv1 - kv0;
+  const int64_t padded = (len + 31) / 32 * 32;
+  s.off.resize(padded);
+  for (int64_t b = 0, t = 0; t < len; ++b)
+    for (int64_t j = 0; j < block_size && t < len; ++j, ++t)
+      s.off[t] = (static_cast<int64_t>(table[b]) * block_size + j) * token_stride + kv0 * HD;
+  // Past the context: the first token's row, a valid address whose scores are masked to -inf
+  // (a probability of 0), so every sixteen-token pass has a fixed length.
+  std::fill(s.off.begin() + len, s.off.end(), s.off[0]);
+  s.scores.assign(nkv * G * padded, -INFINITY);
+  const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  // The values are read one KV head at a time after the softmax, a strided walk: bring
+  // their rows into L2 while the keys of the same blocks are read.
+  const int64_t span_bytes = nkv * HD * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t c0 = 0; c0 < len; c0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, len - c0);
+    const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
+    for (int64_t j = 0; j < cnt; ++j)
+      for (int64_t b = 0; b < span_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vc + s.off[c0 + j]) + b, _MM_HINT_T1);
+    for (int64_t k = 0; k < nkv; ++k) {
+      const scalar_t* qk = q + k * G * HD;
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 part[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          part[j] = _mm512_setzero_ps();
+          const scalar_t* kp = kc + s.off[c0 + j] + k * HD;
+          if constexpr (BF16DOT) {
+#if defined(__AVX512BF16__)
+            for (int64_t i = 0; i < NV / 2; ++i)
+              part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_loadu_si512(qk + g * HD + i * 32),
+                                         (__m512bh)_mm512_loadu_si512(kp + i * 32));
+#endif
+          } else {
+            for (int64_t v = 0; v < NV; ++v)
+              part[j] = _mm512_fmadd_ps(load16(qk + g * HD + v * 16), load16(kp + v * 16), part[j]);
+          }
+        }
+        const __m512 r = _mm512_mask_blend_ps(valid, ninf, _mm512_mul_ps(hsum16(part), sc));
+        _mm512_storeu_ps(s.scores.data() + (k * G + g) * padded + c0, r);
+      }
+    }
+  }
+  for (int64_t h = 0; h < nkv * G; ++h) {
+    float* sh = s.scores.data() + h * padded;
+    __m512 mx = ninf;
+    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + t));
+    softmax16(sh, padded, _mm512_reduce_max_ps(mx));
+  }
+  // Values one KV head at a time, the group's accumulators in registers (the rows are in
+  // L2 from the keys' pass over the same blocks).
+  for (int64_t k = 0; k < nkv; ++k) {
+    scalar_t* ok = out + k * G * HD;
+    if constexpr (BF16DOT) {
+#if defined(__AVX512BF16__)
+      // Two tokens at a time, interleaved element by element (unpack within 128-bit lanes):
+      // accumulator lo holds dims 8k..8k+3 and hi dims 8k+4..8k+7 of each 32.
+      constexpr int64_t NP = NV / 2;
+      __m512 lo[G][NP], hi[G][NP];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < NP; ++i) lo[g][i] = hi[g][i] = _mm512_setzero_ps();
+      const uint32_t* pb[G];
+      for (int64_t g = 0; g < G; ++g) {  // P to bf16 pairs, in place over the scores
+        float* sg = s.scores.data() + (k * G + g) * padded;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(sg);
+        for (int64_t t = 0; t < padded; t += 32) {
+          const __m512i pr = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + t + 16), _mm512_loadu_ps(sg + t));
+          _mm512_storeu_si512(dst + t / 2, pr);
+        }
+        pb[g] = dst;
+      }
+      for (int64_t t = 0; t < len; t += 2) {
+        const scalar_t* va = vc + s.off[t] + k * HD;
+        const scalar_t* vb = vc + s.off[t + 1] + k * HD;  // past the context: p = 0 for a valid row
+        for (int64_t i = 0; i < NP; ++i) {
+          const __m512i x = _mm512_loadu_si512(va + i * 32), y = _mm512_loadu_si512(vb + i * 32);
+          const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x, y), h = (__m512bh)_mm512_unpackhi_epi16(x, y);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[g][t / 2]));
+            lo[g][i] = _mm512_dpbf16_ps(lo[g][i], p, l);
+            hi[g][i] = _mm512_dpbf16_ps(hi[g][i], p, h);
+          }
+        }
+      }
+      const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < NP; ++i) {
+          store_out(ok + g * HD + i * 32, _mm512_permutex2var_ps(lo[g][i], first, hi[g][i]));
+          store_out(ok + g * HD + i * 32 + 16, _mm512_permutex2var_ps(lo[g][i], second, hi[g][i]));
+        }
+#endif
+    } else {
+      __m512 acc[G][NV];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+      const float* sk = s.scores.data() + k * G * padded;
+      for (int64_t t = 0; t < len; ++t) {
+        __m512 vv[NV];
+        for (int64_t v = 0; v < NV; ++v) vv[v] = load16(vc + s.off[t] + k * HD + v * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(sk[g * padded + t]);
+          for (int64_t v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t v = 0; v < NV; ++v) store_out(ok + g * HD + v * 16, acc[g][v]);
+    }
+  }
+}
+
+// Few requests: one work item per (request, KV head), so every thread has work; at least
+// four requests per thread: one item per request (`rows`), each token's whole row read at once.
+template <typename scalar_t, int64_t NV, int64_t G, bool BF16DOT>
+static void decode_kernel_grouped(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
+                                  const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_kv_heads,
+                                  int64_t block_size, int64_t max_blocks, double scale, bool rows) {
+  constexpr int64_t HD = NV * 16;
+  const int64_t per = rows ? 1 : num_kv_heads;  // work items per request
+  at::parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
+    HeadScratch scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / per;
+      const int64_t kv0 = rows ? 0 : item % per, kv1 = rows ? num_kv_heads : kv0 + 1;
+      const int64_t head = (n * num_kv_heads + kv0) * G * HD;  // the range's first query head
+      decode_group<scalar_t, NV, G, BF16DOT>(q + head, kc, vc, bt + n * max_blocks, lens[n], out + head, kv0, kv1,
+                                             num_kv_heads, block_size, static_cast<float>(scale), scratch);
+    }
+  });
+}
+
 // AVX-512 path: head_dim a multiple of 16. Few requests: one work item per (request, KV
 // head), so both threads have work; at least four requests per thread: one item per
 // request (`rows`), each token's whole row read once for all its KV heads.
@@ -186,8 +356,9 @@ static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const sc
 }
 #endif
 
+// bf16_dot: a bfloat16 cache through AVX512-BF16 dot products where the CPU has them.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+                           torch::Tensor block_table, torch::Tensor seq_lens, double scale, bool bf16_dot) {
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "contiguous tables");
@@ -211,6 +382,42 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
              block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
              num_heads, num_kv_heads, block_size, block_table.size(1), scale, rows);
     };
+    // The usual group sizes (query heads per KV head) and head sizes: one work item per
+    // (request, KV head) with the group's accumulators in registers.
+    const int64_t group = num_heads / num_kv_heads;
+    bool done = false;
+    auto grouped = [&](auto nv, auto g) {
+      constexpr int64_t NV = decltype(nv)::value, G = decltype(g)::value;
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        return;
+      } else {
+      if (done || head_dim != NV * 16 || group != G) return;
+      done = true;
+      auto go = [&](auto kernel) {
+        kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+               block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
+               num_kv_heads, block_size, block_table.size(1), scale, rows);
+      };
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (bf16_dot) return go(decode_kernel_grouped<scalar_t, NV, G, true>);
+      }
+#endif
+      go(decode_kernel_grouped<scalar_t, NV, G, false>);
+      }
+    };
+    using I4 = std::integral_constant<int64_t, 4>;
+    using I8 = std::integral_constant<int64_t, 8>;
+    auto groups = [&](auto nv) {
+      grouped(nv, std::integral_constant<int64_t, 1>{});
+      grouped(nv, std::integral_constant<int64_t, 2>{});
+      grouped(nv, std::integral_constant<int64_t, 3>{});
+      grouped(nv, std::integral_constant<int64_t, 4>{});
+      grouped(nv, std::integral_constant<int64_t, 8>{});
+    };
+    groups(I4{});
+    groups(I8{});
+    if (done) return;
     if (head_dim == 64) return run_vec(decode_kernel_avx512<scalar_t, 4>);
     if (head_dim == 128) return run_vec(decode_kernel_avx512<scalar_t, 8>);
     if (head_dim == 256) return run_vec(decode_kernel_avx512<scalar_t, 16>);
