@@ -10,7 +10,9 @@ busy machine use ``bench_parts``' process CPU times instead).
   SDPA on the token-major (strided) views the runner had, on contiguous copies, and
   ``cpu_paged``'s prefill kernel (``csrc/prefill_attention.cpp``) on the strided views.
 - ``decode``: the ``cpu_paged`` decode kernel at the common load's decode shape (64
-  requests, contexts 201-264, shuffled blocks), bfloat16 and float32.
+  requests, contexts 201-264), 30 layers' caches read from memory, on a fresh server's
+  block layout, a scattered one and a cache-resident one, bfloat16 and float32, beside the
+  machine's streaming read rate.
 - ``fused``: transformers' bfloat16 RMSNorm, rotary embedding and ``silu(gate) * up``
   against ferry's fused kernels (``services/worker/fused_ops.py``) at M = 64 and 2048.
 - ``lmhead``: the tied LM head (49,152 x 576) at M = 1, 8, 64: ``F.linear`` and packed.
@@ -107,21 +109,56 @@ def part_sdpa() -> list[dict[str, Any]]:
 
 
 def part_decode() -> list[dict[str, Any]]:
+    """The decode kernel at the common load's decode shape (64 requests, contexts 201-264, block
+    size 16), one call per layer over 30 layers' own caches (2,912 blocks each, as a 1 GiB bf16
+    cache holds), so the KV is read from memory as in a real step, on three block layouts:
+    ``fresh`` (each request's prompt blocks consecutive, its decode blocks interleaved with the
+    other requests', as a fresh server allocates them), ``scattered`` (a random permutation, as
+    a long-running server's free list ends up) and ``resident`` (every request on the same 17
+    blocks of one layer: cache-resident, the kernel's compute alone). A plain sum over as many
+    bytes gives the machine's streaming read rate beside it."""
     from services.worker.backends.cpu_paged import load_extension
 
     kernel = load_extension()
     rng = random.Random(0)
-    n, blocks, bs = 64, 1200, 16
+    n, blocks, bs, layers = 64, 2912, 16, 30
+    lens = torch.tensor([rng.randint(201, 264) for _ in range(n)], dtype=torch.int32)
+    fresh = torch.empty(n, 17, dtype=torch.int32)
+    for i in range(n):
+        fresh[i, :13] = torch.arange(13 * i, 13 * i + 13)
+        fresh[i, 13:] = torch.tensor([13 * n + n * r + i for r in range(4)])
+    tables = {"fresh": fresh, "scattered": torch.randperm(blocks)[: n * 17].view(n, 17).to(torch.int32).contiguous(),
+              "resident": torch.arange(17, dtype=torch.int32).repeat(n, 1).contiguous()}
+    extra: tuple[bool, ...] = (True,)  # bf16_dot
+    try:
+        kernel.paged_decode(torch.zeros(1, 3, 64), torch.zeros(1, 16, 3, 64), torch.zeros(1, 16, 3, 64),
+                            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0, True)
+    except TypeError:  # a kernel from before the bf16_dot argument (A/B runs against older trees)
+        extra = ()
     rows = []
     for dt in (BF16, torch.float32):
-        kc = torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt)
-        vc = torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt)
+        caches = [(torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt), torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt))
+                  for _ in range(layers)]
         q = torch.randn(n, HEADS, HEAD_DIM).to(dt)
-        lens = torch.tensor([rng.randint(201, 264) for _ in range(n)], dtype=torch.int32)
-        table = torch.randperm(blocks)[: n * 17].view(n, 17).to(torch.int32).contiguous()
-        ms = best_ms(lambda: kernel.paged_decode(q, kc, vc, table, lens, HEAD_DIM**-0.5, True), 20)
-        rows.append({"part": "decode", "dtype": str(dt), "ms_per_layer": ms})
-        print(f"decode {dt}: cpu_paged, 64 requests, contexts 201-264: {ms:.3f} ms per layer", flush=True)
+        kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * caches[0][0].element_size() * layers
+        for layout, table in tables.items():
+            def step() -> None:
+                for li in range(layers):
+                    kc, vc = caches[0 if layout == "resident" else li]
+                    kernel.paged_decode(q, kc, vc, table, lens, HEAD_DIM**-0.5, *extra)
+
+            ms = best_ms(step, 3)
+            rows.append({"part": "decode", "dtype": str(dt), "layout": layout, "ms_per_step": ms,
+                         "gb_s": kv_bytes / ms / 1e6})
+            print(f"decode {dt} {layout}: 64 requests, contexts 201-264, 30 layers: {ms:.2f} ms per step "
+                  f"({kv_bytes / ms / 1e6:.1f} GB/s of KV)", flush=True)
+        caches.clear()
+        flat = torch.randn(kv_bytes // torch.empty(0, dtype=dt).element_size()).to(dt)
+        ms = best_ms(lambda: flat.sum(), 3)
+        rows.append({"part": "decode", "dtype": str(dt), "layout": "stream-read", "ms_per_step": ms,
+                     "gb_s": kv_bytes / ms / 1e6})
+        print(f"read {dt}: a plain sum over the same {kv_bytes / 1e6:.0f} MB: {ms:.2f} ms "
+              f"({kv_bytes / ms / 1e6:.1f} GB/s)", flush=True)
     return rows
 
 

@@ -382,13 +382,15 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
              block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
              num_heads, num_kv_heads, block_size, block_table.size(1), scale, rows);
     };
-    // The usual group sizes (query heads per KV head) and head sizes: one work item per
-    // (request, KV head) with the group's accumulators in registers.
+    // bfloat16/float16 with the usual group sizes (query heads per KV head) and head sizes:
+    // sixteen tokens per scoring pass, the group's accumulators in registers.
     const int64_t group = num_heads / num_kv_heads;
     bool done = false;
     auto grouped = [&](auto nv, auto g) {
       constexpr int64_t NV = decltype(nv)::value, G = decltype(g)::value;
-      if constexpr (std::is_same_v<scalar_t, double>) {
+      // 16-bit caches only: a float32 cache's rows are twice as long and its memory-bound
+      // steps ran slower this way than with whole rows per pass (docs/benchmarks.md).
+      if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
         return;
       } else {
       if (done || head_dim != NV * 16 || group != G) return;
