@@ -13,6 +13,8 @@ busy machine use ``bench_parts``' process CPU times instead).
   requests, contexts 201-264), 30 layers' caches read from memory, on a fresh server's
   block layout, a scattered one and a cache-resident one, bfloat16 and float32, beside the
   machine's streaming read rate.
+- ``flex``: PyTorch's FlexAttention (compiled) as a paged decode with a block mask, one layer,
+  against ``cpu_paged``.
 - ``fused``: transformers' bfloat16 RMSNorm, rotary embedding and ``silu(gate) * up``
   against ferry's fused kernels (``services/worker/fused_ops.py``) at M = 64 and 2048.
 - ``lmhead``: the tied LM head (49,152 x 576) at M = 1, 8, 64: ``F.linear`` and packed.
@@ -162,6 +164,60 @@ def part_decode() -> list[dict[str, Any]]:
     return rows
 
 
+def part_flex() -> list[dict[str, Any]]:
+    """PyTorch's FlexAttention (inductor-compiled) as a paged decode, the way vLLM's FlexAttention
+    backend frames it: the whole cache as one long key sequence, a block mask whose mask_mod maps
+    each physical slot to its request and position; one layer, the common load's decode shape
+    (fresh layout), query blocks of 1 and 16 rows; against ``cpu_paged``'s kernel on the same data."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from services.worker.backends.cpu_paged import load_extension
+
+    kernel = load_extension()
+    rng = random.Random(0)
+    n, blocks, bs = 64, 2912, 16
+    lens = torch.tensor([rng.randint(201, 264) for _ in range(n)], dtype=torch.int32)
+    table = torch.empty(n, 17, dtype=torch.int32)
+    owner = torch.full((blocks,), -1, dtype=torch.int32)
+    logical = torch.zeros(blocks, dtype=torch.int32)
+    for i in range(n):
+        table[i, :13] = torch.arange(13 * i, 13 * i + 13)
+        table[i, 13:] = torch.tensor([13 * n + n * r + i for r in range(4)])
+        used = table[i, : -(-int(lens[i]) // bs)].long()
+        owner[used] = i
+        logical[used] = torch.arange(len(used), dtype=torch.int32)
+    kc = torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(BF16)
+    vc = torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(BF16)
+    q = torch.randn(n, HEADS, HEAD_DIM).to(BF16)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        blk = kv_idx // bs
+        return (owner[blk] == q_idx) & (logical[blk] * bs + kv_idx % bs < lens[q_idx])
+
+    qq = q.transpose(0, 1).unsqueeze(0)
+    kk = kc.view(-1, KV_HEADS, HEAD_DIM).permute(1, 0, 2).unsqueeze(0)
+    vv = vc.view(-1, KV_HEADS, HEAD_DIM).permute(1, 0, 2).unsqueeze(0)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    ref = kernel.paged_decode(q, kc, vc, table, lens, HEAD_DIM**-0.5, True)
+    paged_ms = best_ms(lambda: kernel.paged_decode(q, kc, vc, table, lens, HEAD_DIM**-0.5, True), 10)
+    rows = []
+    for qb in (1, 16):
+        t = time.perf_counter()
+        mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=blocks * bs, BLOCK_SIZE=(qb, bs),
+                                 device="cpu")
+        mask_s = time.perf_counter() - t
+        t = time.perf_counter()
+        out = compiled(qq, kk, vv, block_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True)
+        compile_s = time.perf_counter() - t
+        diff = (out[0].transpose(0, 1).float() - ref.float()).abs().max().item()
+        ms = best_ms(lambda: compiled(qq, kk, vv, block_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True), 5, 3)
+        rows.append({"part": "flex", "q_block": qb, "ms_per_layer": ms, "cpu_paged_ms": paged_ms,
+                     "block_mask_s": mask_s, "first_call_s": compile_s, "max_abs_diff": diff})
+        print(f"flex q_block {qb}: {ms:.2f} ms per layer against cpu_paged {paged_ms:.3f} ms; block mask "
+              f"{mask_s:.1f} s, first call (compile) {compile_s:.1f} s; max |diff| {diff:.4f}", flush=True)
+    return rows
+
+
 def part_fused() -> list[dict[str, Any]]:
     from transformers.models.llama import modeling_llama
 
@@ -290,7 +346,7 @@ def part_rate(rate: float = 2.0, num: int = 64) -> list[dict[str, Any]]:
 
 
 PARTS: dict[str, Callable[[], list[dict[str, Any]]]] = {
-    "linear": part_linear, "sdpa": part_sdpa, "decode": part_decode, "fused": part_fused,
+    "linear": part_linear, "sdpa": part_sdpa, "decode": part_decode, "flex": part_flex, "fused": part_fused,
     "lmhead": part_lmhead, "int8": part_int8, "rate": part_rate,
 }
 
