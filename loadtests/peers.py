@@ -270,7 +270,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results/bench-peers"))
     p.add_argument("--servers", default="vllm,vllm-all-cores,ferry",
                    help="in order, one at a time: vllm (its defaults), vllm-all-cores (no core reserved for its "
-                        "front end), ferry, ferry-int8 (ferry serve --quantization int8); NAME@DTYPE runs that "
+                        "front end), ferry, ferry-int8 (ferry serve --quantization int8), ferry-fp8kv (ferry "
+                        "serve --kv-cache-dtype fp8); NAME@DTYPE runs that "
                         "server in DTYPE only, e.g. vllm-all-cores@float32 beside --dtypes auto")
     p.add_argument("--dtypes", default="auto",
                    help="comma-separated: float32, bfloat16, or auto (bfloat16 with native bf16 here, else float32)")
@@ -310,7 +311,7 @@ def resolve_dtypes(text: str) -> list[str]:
     return list(dict.fromkeys(resolve_dtype(d.strip(), "cpu") for d in text.split(",") if d.strip()))
 
 
-SERVERS = ("vllm", "vllm-all-cores", "ferry", "ferry-int8")
+SERVERS = ("vllm", "vllm-all-cores", "ferry", "ferry-int8", "ferry-fp8kv")
 
 
 def server_runs(text: str, dtypes: list[str]) -> list[tuple[str, str]]:
@@ -393,11 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # --queue-timeout-s 3600: requests wait as long as vLLM lets them (it has no queue
             # deadline); ferry's 60 s default refused part of a burst on a slow machine.
-            int8 = ("--quantization", "int8") if name == "ferry-int8" else ()
+            extra = {"ferry-int8": ("--quantization", "int8"), "ferry-fp8kv": ("--kv-cache-dtype", "fp8")}.get(name, ())
             spec = ServerSpec(kind="ferry", model=args.model, startup_timeout_s=args.startup_timeout,
                               args=("--dtype", dtype, "--served-model-name", SERVED_NAME,
-                                    "--queue-timeout-s", "3600", *int8, *args.ferry_args.split()))
-            label = "ferry serve" + (" --quantization int8" if int8 else "")
+                                    "--queue-timeout-s", "3600", *extra, *args.ferry_args.split()))
+            label = "ferry serve" + (" " + " ".join(extra) if extra else "")
         try:
             row = run_server(f"{label} {dtype}", spec, traces, args)
         except Exception as exc:  # noqa: BLE001 - one server failing still leaves a board

@@ -129,6 +129,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: str = "none"
     """'none' or 'int8' (W8A8: int8 weights and per-token int8 activations in the decoder's linear
     layers, SmoothQuant-calibrated at load; CPU only; docs/worker.md)."""
+    kv_cache_dtype: str = "auto"
+    """'auto' (the model's dtype) or 'fp8' (float8 e4m3, one byte per element: twice the tokens
+    per byte of a bfloat16 cache; values saturate at +-448, no scales; CPU with the cpu_paged
+    attention backend only; docs/worker.md)."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -138,10 +138,10 @@ def part_decode() -> list[dict[str, Any]]:
     except TypeError:  # a kernel from before the bf16_dot argument (A/B runs against older trees)
         extra = ()
     rows = []
-    for dt in (BF16, torch.float32):
+    for dt in (BF16, torch.float8_e4m3fn, torch.float32):  # float8: --kv-cache-dtype fp8, bfloat16 queries
         caches = [(torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt), torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt))
                   for _ in range(layers)]
-        q = torch.randn(n, HEADS, HEAD_DIM).to(dt)
+        q = torch.randn(n, HEADS, HEAD_DIM).to(BF16 if dt == torch.float8_e4m3fn else dt)
         kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * caches[0][0].element_size() * layers
         for layout, table in tables.items():
             def step() -> None:
@@ -155,7 +155,7 @@ def part_decode() -> list[dict[str, Any]]:
             print(f"decode {dt} {layout}: 64 requests, contexts 201-264, 30 layers: {ms:.2f} ms per step "
                   f"({kv_bytes / ms / 1e6:.1f} GB/s of KV)", flush=True)
         caches.clear()
-        flat = torch.randn(kv_bytes // torch.empty(0, dtype=dt).element_size()).to(dt)
+        flat = torch.randn(kv_bytes // torch.empty(0, dtype=dt).element_size()).to(torch.uint8 if dt.itemsize == 1 else dt)
         ms = best_ms(lambda: flat.sum(), 3)
         rows.append({"part": "decode", "dtype": str(dt), "layout": "stream-read", "ms_per_step": ms,
                      "gb_s": kv_bytes / ms / 1e6})

@@ -5,7 +5,8 @@
 - Greedy agreement: 50 fixed prompts (chat template applied), ``--max-tokens`` greedy
   tokens each, from ferry's offline engine in float32 (the token-exact reference) and in
   each variant: bfloat16 (the default on CPUs with native bfloat16, for scale), int8 on
-  bfloat16 (what ``--quantization int8`` serves there) and int8 on float32; reports the
+  bfloat16 (what ``--quantization int8`` serves there), int8 on float32, and bfloat16 with a
+  float8 KV cache (``--kv-cache-dtype fp8``); reports the
   share of prompts whose outputs are identical and the mean share of tokens before the
   first difference.
 - Perplexity: the same model in plain transformers, in each dtype, quantized by the very
@@ -42,20 +43,25 @@ PROMPTS = [t.format(s) for s in SUBJECTS for t in TEMPLATES]  # 50
 
 # (label, dtype, quantization): each compared with the float32 model, the token-exact reference
 VARIANTS = [("bfloat16", "bfloat16", "none"), ("int8 (bfloat16)", "bfloat16", "int8"), ("int8 (float32)", "float32", "int8")]
+# The float8 KV cache (--kv-cache-dtype fp8) on the bfloat16 model: greedy through ferry's engine;
+# perplexity in transformers with keys and values rounded through float8 (register_fp8_kv_attention).
+KV_VARIANTS = [("bfloat16, fp8 KV cache", "bfloat16", "none", "fp8")]
 
 
 def greedy_agreement(model: str, max_tokens: int, threads: int) -> dict[str, Any]:
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
     outputs: dict[str, list[list[int]]] = {}
-    for label, dtype, quant in [("float32", "float32", "none"), *VARIANTS]:
-        llm = LLM(model=model, dtype=dtype, num_threads=threads, quantization=quant, kv_cache_memory=1 << 28)
+    runs = [("float32", "float32", "none", "auto"), *[(*v, "auto") for v in VARIANTS], *KV_VARIANTS]
+    for label, dtype, quant, kv in runs:
+        llm = LLM(model=model, dtype=dtype, num_threads=threads, quantization=quant, kv_cache_memory=1 << 28,
+                  kv_cache_dtype=kv)
         t0 = time.perf_counter()
         outputs[label] = [o.token_ids for o in llm.chat(conversations, params)]
         print(f"greedy {label}: {len(PROMPTS)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
         del llm
     report: dict[str, Any] = {"prompts": len(PROMPTS), "max_tokens": max_tokens, "reference": "float32"}
-    for label, _, _ in VARIANTS:
+    for label, *_ in runs[1:]:
         same, prefix = 0, 0.0
         for a, b in zip(outputs["float32"], outputs[label], strict=True):
             same += a == b
@@ -66,6 +72,27 @@ def greedy_agreement(model: str, max_tokens: int, threads: int) -> dict[str, Any
         print(f"greedy {label} vs float32: {same}/{len(PROMPTS)} identical, mean agreeing prefix "
               f"{prefix / len(PROMPTS):.3f}", flush=True)
     return report
+
+
+FP8_KV_ATTENTION = "ferry_fp8_kv_sdpa"
+
+
+def register_fp8_kv_attention() -> None:
+    """transformers' SDPA attention with the keys (after RoPE) and values rounded through float8
+    e4m3 first: what attention reads back from ``--kv-cache-dtype fp8`` in every decode step
+    (a prompt's own first chunk reads its keys before they are rounded, so this is the
+    token-by-token case, the pessimistic one)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def fp8_kv_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
+        def rounded(x: torch.Tensor) -> torch.Tensor:
+            return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+        return sdpa_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kwargs)
+
+    AttentionInterface.register(FP8_KV_ATTENTION, fp8_kv_sdpa)
 
 
 def perplexity(model: str, text: str, num_tokens: int) -> dict[str, Any]:
@@ -80,8 +107,12 @@ def perplexity(model: str, text: str, num_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": int(ids.shape[1])}
     kernels = int8_kernels()
     reference: torch.Tensor | None = None
-    for label, dtype, quant in [("float32", "float32", "none"), *VARIANTS]:
+    register_fp8_kv_attention()
+    runs = [("float32", "float32", "none", "auto"), *[(*v, "auto") for v in VARIANTS], *KV_VARIANTS]
+    for label, dtype, quant, kv in runs:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+        if kv == "fp8":  # every key and value rounded through float8 as the cache stores them
+            hf.set_attn_implementation(FP8_KV_ATTENTION)
         if quant == "int8":
             apply_int8(hf, hf.model, hf.config.vocab_size, kernels)  # what the worker does to its model
         with torch.inference_mode():

@@ -110,6 +110,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         attention_backend: str = "auto",
         quantization: str = "none",
+        kv_cache_dtype: str = "auto",
         **scheduler_knobs: Any,
     ) -> None:
         set_num_threads(num_threads)
@@ -120,7 +121,7 @@ class LLM:
             max_model_len=max_model_len, num_threads=num_threads, cache_dir=cache_dir,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             max_num_seqs=self.scheduler_config.max_num_seqs, tensor_parallel_size=tensor_parallel_size,
-            attention_backend=attention_backend, quantization=quantization,
+            attention_backend=attention_backend, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         )
         # tensor parallel: ranks 1..N-1 in child processes, rank 0 here (tp_ranks.py)
         self.helpers = HelperRanks(self.worker_config) if tensor_parallel_size > 1 else None

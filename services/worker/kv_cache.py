@@ -21,7 +21,19 @@ import torch
 
 from shared.capacity import kv_bytes_per_token, kv_shape_from_config, num_kv_blocks
 
-DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                                        torch.float8_e4m3fn: "fp8"}
+FP8 = torch.float8_e4m3fn
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype``: 'auto' keeps the model's dtype; 'fp8' (also 'fp8_e4m3') is float8 e4m3."""
+    name = kv_cache_dtype.strip().lower()
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+        return FP8
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto' or 'fp8'")
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:

@@ -40,7 +40,7 @@ from .cuda_graphs import graph_batch_sizes, graph_memory_estimate, setup_decode_
 from .cuda_staging import StepStaging
 from .fused_ops import fuse_elementwise
 from .fused_ops import kernels as fused_kernels
-from .kv_cache import KVCache, num_blocks_for_budget
+from .kv_cache import FP8, KVCache, kv_cache_torch_dtype, num_blocks_for_budget
 from .lean_forward import LeanDecoder
 from .loader import load_model
 from .logits_processors import ConstraintTracker
@@ -97,11 +97,14 @@ class ModelRunner:
             self.max_model_len = window
         self.block_size = config.block_size
         self.weight_bytes = _weight_bytes(self.model)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype == FP8 and self.device.type != "cpu":
+            raise ValueError("kv_cache_dtype 'fp8' is implemented on the CPU only (the cpu_paged backend)")
         budget = self._kv_budget(kv_config)
-        self.num_kv_blocks = num_blocks_for_budget(budget, kv_config, self.dtype, self.block_size)
+        self.num_kv_blocks = num_blocks_for_budget(budget, kv_config, self.kv_dtype, self.block_size)
         if self.num_kv_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
-        self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.dtype, config.device)
+        self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.kv_dtype, config.device)
         self.kv_cache_bytes = self.kv.nbytes
         # CPU, bfloat16: the decoder's linear layers and the LM head multiply against
         # oneDNN-packed weights (packed_linear.py). A head tied to the embedding gets its own
@@ -142,6 +145,9 @@ class ModelRunner:
         self.batch = BatchState(self.block_size)
         self.attn_backend = select_backend(config.attention_backend, self.device)
         log.info("attention backend: %s", self.attn_backend.name)
+        if self.kv_dtype == FP8 and self.attn_backend.name != "cpu_paged":
+            raise ValueError(f"kv_cache_dtype 'fp8' needs the cpu_paged attention backend, not "
+                             f"{self.attn_backend.name!r} (it needs the CPU kernels: make kernels)")
         self.sampler = Sampler(self.device)
         eos, vocab, model = self.eos_token_ids, self.vocab_size, config.model
         self.constraints = ConstraintTracker(

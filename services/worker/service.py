@@ -105,9 +105,9 @@ def serve(config: WorkerConfig) -> int:
     # The grammar tokenizer loads in a side thread, often past this point: trim its leftovers too.
     runner.constraints.when_tokenizer_loaded(lambda: release_and_log("grammar tokenizer loaded", log))
     log.info(
-        "ready: %s in %.1fs, %d KV blocks of %d (%d bytes), weights %d bytes, dtype %s",
+        "ready: %s in %.1fs, %d KV blocks of %d (%d bytes, %s), weights %d bytes, dtype %s",
         runner.model_dir, runner.load_s, runner.num_kv_blocks, runner.block_size,
-        runner.kv_cache_bytes, runner.weight_bytes, runner.dtype,
+        runner.kv_cache_bytes, runner.kv_dtype, runner.weight_bytes, runner.dtype,
     )
     results.send(encode(WorkerReady(
         rank=config.rank, num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size,

@@ -226,19 +226,21 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: b
     torch.testing.assert_close(out[2:].float(), expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype,bf16_dot", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
-                                            (torch.float32, True)])
+@pytest.mark.parametrize("dtype,bf16_dot,fp8", [(torch.bfloat16, True, False), (torch.bfloat16, False, False),
+                                                (torch.float16, True, False), (torch.float32, True, False),
+                                                (torch.bfloat16, True, True), (torch.float32, True, True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4), (16, 2), (14, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_decodes", [3, 12])
-def test_decode_kernel_matches_attention(dtype: torch.dtype, bf16_dot: bool, head_dim: int, heads: tuple[int, int],
-                                         block_size: int, num_decodes: int) -> None:
+def test_decode_kernel_matches_attention(dtype: torch.dtype, bf16_dot: bool, fp8: bool, head_dim: int,
+                                         heads: tuple[int, int], block_size: int, num_decodes: int) -> None:
     """cpu_paged's decode kernel on a shuffled cache: group sizes 1-4 and 8 (compiled per group)
     and 7 (the generic path), contexts of 1 token, odd lengths and 15-17, 31-33 and 200 tokens
     (the sixteen-token passes and the two-token value steps), one work item per request (12
     decodes on 2 threads) and per KV head (3); bfloat16 through AVX512-BF16 dot products (where
-    the CPU has them) and through float32 FMAs."""
+    the CPU has them) and through float32 FMAs; a float8 (e4m3) cache read with a bfloat16 or
+    float32 query, against attention over the float8 values."""
     from services.worker.backends.cpu_paged import load_extension
 
     try:
@@ -250,8 +252,12 @@ def test_decode_kernel_matches_attention(dtype: torch.dtype, bf16_dot: bool, hea
     gen = torch.Generator().manual_seed(head_dim + num_heads + block_size)
     max_blocks = -(-max(lens) // block_size)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    # float8: values up to ~600 (some saturate at 448), and some subnormals (below 2^-6)
+    spread = torch.tensor([1.0, 150.0, 0.004]) if fp8 else torch.ones(3)
+    pick = torch.randint(0, 3, (num_blocks, block_size, kv_heads, head_dim), generator=gen)
+    k_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) * spread[pick]).to(cache_dtype)
+    v_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) * spread[pick]).to(cache_dtype)
     order = torch.randperm(num_blocks, generator=gen)
     table = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
     used = 0
@@ -260,19 +266,51 @@ def test_decode_kernel_matches_attention(dtype: torch.dtype, bf16_dot: bool, hea
         table[i, :nb] = order[used : used + nb].to(torch.int32)
         used += nb
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5 / (30.0 if fp8 else 1.0)  # float8's large values: keep the softmax from saturating
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out = kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32),
-                                  head_dim**-0.5, bf16_dot)
+        out = kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), scale, bf16_dot)
     finally:
         torch.set_num_threads(threads)
     assert out.dtype == dtype and out.shape == q.shape
     contexts = []
     for i, n in enumerate(lens):
         slots = (table[i, : -(-n // block_size)].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        contexts.append((k_cache.view(-1, kv_heads, head_dim)[slots].float(),
-                         v_cache.view(-1, kv_heads, head_dim)[slots].float()))
-    expected = _dense([(1, n) for n in lens], q.float(), contexts, head_dim**-0.5)
-    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
+        flat_k, flat_v = (c.view(torch.uint8).view(-1, kv_heads, head_dim)[slots].view(cache_dtype)
+                          if fp8 else c.view(-1, kv_heads, head_dim)[slots] for c in (k_cache, v_cache))
+        contexts.append((flat_k.float(), flat_v.float()))
+    expected = _dense([(1, n) for n in lens], q.float(), contexts, scale)
+    # float8: the query and P go through bfloat16 dot products (noise far below float8's own)
+    tol = 2e-2 if fp8 else {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
+    rel = expected.abs().max().item() if fp8 else 1.0  # values up to ~448: a tolerance relative to them
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * rel)
+
+
+@pytest.mark.parametrize("backend_name", [b for b in available_backends("cpu") if b == "cpu_paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+def test_float8_cache_through_the_backend(backend_name: str, dtype: torch.dtype, heads: tuple[int, int]) -> None:
+    """``--kv-cache-dtype fp8``: the step's new keys/values are written to a float8 cache, and
+    decodes and chunks after a cached prefix (ending mid-block and on a boundary) read every
+    key from it: the result equals attention over the float8-rounded context."""
+    spec = [(1, 8), (1, 9), (1, 1), (1, 13), (3, 11), (4, 8), (2, 2 + 4)]
+    head_dim = 64
+    data = _setup(spec, heads[0], heads[1], 11, head_dim)
+    scale = head_dim**-0.5
+    query, key, value = (data[n].to(dtype) for n in ("query", "key", "value"))
+    fp8 = torch.float8_e4m3fn
+    contexts = [(k.to(dtype).to(fp8).float(), v.to(dtype).to(fp8).float()) for k, v in data["contexts"]]
+    expected = _dense(spec, query.float(), contexts, scale)
+    backend = select_backend(backend_name, torch.device("cpu"))
+    k_cache, v_cache = data["k_cache"].to(dtype).to(fp8), data["v_cache"].to(dtype).to(fp8)
+    out = backend.forward(0, query, key, value, k_cache, v_cache, backend.prepare(data["batch"]), scale)
+    assert out.dtype == dtype
+    # decodes: bfloat16 dot products over the float8 keys/values (where the CPU has them), whatever
+    # the query's dtype; chunks after a prefix: SDPA in the query's dtype
+    tol = 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    # the new tokens landed in their slots, as float8
+    slots = data["batch"].slot_mapping
+    got = k_cache.view(torch.uint8).view(-1, heads[1], head_dim)[slots].view(fp8)
+    assert torch.equal(got.view(torch.uint8), key.to(fp8).view(torch.uint8))

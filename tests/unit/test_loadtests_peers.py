@@ -10,6 +10,7 @@ from loadtests.peers import server_runs
 def test_every_server_runs_in_every_dtype_by_default() -> None:
     assert server_runs("vllm,ferry", ["bfloat16", "float32"]) == [
         ("vllm", "bfloat16"), ("ferry", "bfloat16"), ("vllm", "float32"), ("ferry", "float32")]
+    assert server_runs("ferry,ferry-fp8kv", ["bfloat16"]) == [("ferry", "bfloat16"), ("ferry-fp8kv", "bfloat16")]
 
 
 def test_a_fixed_dtype_runs_once_in_the_first_pass() -> None:

@@ -136,7 +136,8 @@ class CpuPagedBackend(ReferenceBackend):
     ) -> torch.Tensor:
         write_kv(key, value, k_cache, v_cache, metadata.chunks.slot_mapping)
         nd = metadata.num_decodes
-        q = query[:nd].to(k_cache.dtype).contiguous()
+        # a float8 cache is read with the query in the model's dtype
+        q = query[:nd].contiguous() if k_cache.dtype == torch.float8_e4m3fn else query[:nd].to(k_cache.dtype).contiguous()
         decoded = self.kernel.paged_decode(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, scale,
                                            self.bf16_dot)
         if nd == query.shape[0]:

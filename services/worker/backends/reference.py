@@ -48,18 +48,24 @@ class ReferenceMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (PyTorch's CPU index ops do not take float8)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Blocks ``block_ids`` ([..., nb]) of ``cache`` as [..., nb * bs, kv_heads, head_dim]."""
-    blocks = cache.index_select(0, block_ids.reshape(-1))
+    blocks = _bytes(cache).index_select(0, block_ids.reshape(-1)).view(cache.dtype)
     return blocks.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' keys/values ([num_tokens, kv_heads, head_dim]) at their slots."""
+    """Store the new tokens' keys/values ([num_tokens, kv_heads, head_dim]) at their slots
+    (a float8 cache saturates at +-448, as PyTorch's conversion does)."""
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    _bytes(k_cache).view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, _bytes(key.to(k_cache.dtype)))
+    _bytes(v_cache).view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, _bytes(value.to(v_cache.dtype)))
 
 
 class ReferenceBackend(AttentionBackend):

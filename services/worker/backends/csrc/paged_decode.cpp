@@ -19,10 +19,14 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
+#include <c10/util/Float8_e4m3fn.h>
+
+template <typename T>
+struct CacheType { using type = T; };
 
 // HEAD_DIM > 0: a compile-time head size (the inner loops unroll fully); 0: head_dim at run time.
-template <typename scalar_t, int64_t HEAD_DIM>
-static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
+template <typename scalar_t, typename cache_t, int64_t HEAD_DIM>
+static void decode_kernel(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int32_t* bt,
                           const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                           double scale) {
@@ -41,10 +45,10 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t*
       scores.assign(group * len, 0.f);
       // Block by block: one table lookup per block, no division per token.
       for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-        const scalar_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * head_dim;
+        const cache_t* base = kc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * head_dim;
         const int64_t n_in = std::min(block_size, len - t0);
         for (int64_t j = 0; j < n_in; ++j) {
-          const scalar_t* kp = base + j * token_stride;
+          const cache_t* kp = base + j * token_stride;
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + g * HD;
             float dot = 0.f;
@@ -67,10 +71,10 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t*
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-        const scalar_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * head_dim;
+        const cache_t* base = vc + static_cast<int64_t>(table[b]) * block_size * token_stride + kvh * head_dim;
         const int64_t n_in = std::min(block_size, len - t0);
         for (int64_t j = 0; j < n_in; ++j) {
-          const scalar_t* vp = base + j * token_stride;
+          const cache_t* vp = base + j * token_stride;
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * len + t0 + j];
             float* a = acc.data() + g * HD;
@@ -186,6 +190,28 @@ static inline void store_out(c10::Half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+#if defined(__AVX512BF16__)
+// Thirty-two cache elements as bfloat16 operands of vdpbf16ps. A bfloat16 cache: as stored.
+// A float8 (e4m3) cache: each byte's seven magnitude bits moved under a bfloat16's exponent
+// field give the value times 2^-120, exactly, subnormals included (bf16 and e4m3 exponent
+// biases differ by 120); the other operand carries 2^100 (FP8_UP) so the products land at
+// 2^-20 of their value, far above float32's smallest normal, and the result is scaled back.
+static inline __m512i load32bf(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+static inline __m512i load32bf(const c10::Float8_e4m3fn* p) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 4),
+                         _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+constexpr float FP8_UP = 1267650600228229401496703205376.f;  // 2^100
+constexpr float FP8_BACK = 1048576.f;                         // 2^20 = 2^120 / 2^100
+// bfloat16 pairs of thirty-two query elements times `up` (a power of two: exact in range).
+template <typename scalar_t>
+static inline __m512i query32bf(const scalar_t* p, float up) {
+  const __m512 u = _mm512_set1_ps(up);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(load16(p + 16), u), _mm512_mul_ps(load16(p), u));
+}
+#endif
+
 struct HeadScratch {
   std::vector<int64_t> off;  // each context token's row in the cache (element offset)
   std::vector<float> scores;
@@ -199,8 +225,8 @@ struct HeadScratch {
 // cache, AVX512-BF16): Q.K^T and P.V as bf16 dot products (vdpbf16ps), P rounded to
 // bfloat16 as the prompt kernel and GPU flash kernels do; otherwise keys and values are
 // widened to float32 and multiplied with FMAs.
-template <typename scalar_t, int64_t NV, int64_t G, bool BF16DOT>
-static inline void decode_group(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* table,
+template <typename scalar_t, typename cache_t, int64_t NV, int64_t G, bool BF16DOT>
+static inline void decode_group(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int32_t* table,
                                 int64_t len, scalar_t* out, int64_t kv0, int64_t kv1, int64_t num_kv_heads,
                                 int64_t block_size, float scale, HeadScratch& s) {
   constexpr int64_t HD = NV * 16;
@@ -214,10 +240,12 @@ static inline void decode_group(const scalar_t* q, const scalar_t* kc, const sca
   // (a probability of 0), so every sixteen-token pass has a fixed length.
   std::fill(s.off.begin() + len, s.off.end(), s.off[0]);
   s.scores.assign(nkv * G * padded, -INFINITY);
-  const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  constexpr bool FP8 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+  const float up = FP8 ? FP8_UP : 1.f, back = FP8 ? FP8_BACK : 1.f;
+  const __m512 sc = _mm512_set1_ps(scale * back), ninf = _mm512_set1_ps(-INFINITY);
   // The values are read one KV head at a time after the softmax, a strided walk: bring
   // their rows into L2 while the keys of the same blocks are read.
-  const int64_t span_bytes = nkv * HD * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t span_bytes = nkv * HD * static_cast<int64_t>(sizeof(cache_t));
   for (int64_t c0 = 0; c0 < len; c0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - c0);
     const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
@@ -227,15 +255,20 @@ static inline void decode_group(const scalar_t* q, const scalar_t* kc, const sca
     for (int64_t k = 0; k < nkv; ++k) {
       const scalar_t* qk = q + k * G * HD;
       for (int64_t g = 0; g < G; ++g) {
+        [[maybe_unused]] __m512i qb[NV / 2 > 0 ? NV / 2 : 1];
+        if constexpr (BF16DOT) {
+#if defined(__AVX512BF16__)
+          for (int64_t i = 0; i < NV / 2; ++i) qb[i] = query32bf(qk + g * HD + i * 32, up);
+#endif
+        }
         __m512 part[16];
         for (int64_t j = 0; j < 16; ++j) {
           part[j] = _mm512_setzero_ps();
-          const scalar_t* kp = kc + s.off[c0 + j] + k * HD;
+          const cache_t* kp = kc + s.off[c0 + j] + k * HD;
           if constexpr (BF16DOT) {
 #if defined(__AVX512BF16__)
             for (int64_t i = 0; i < NV / 2; ++i)
-              part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_loadu_si512(qk + g * HD + i * 32),
-                                         (__m512bh)_mm512_loadu_si512(kp + i * 32));
+              part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)qb[i], (__m512bh)load32bf(kp + i * 32));
 #endif
           } else {
             for (int64_t v = 0; v < NV; ++v)
@@ -269,17 +302,19 @@ static inline void decode_group(const scalar_t* q, const scalar_t* kc, const sca
       for (int64_t g = 0; g < G; ++g) {  // P to bf16 pairs, in place over the scores
         float* sg = s.scores.data() + (k * G + g) * padded;
         uint32_t* dst = reinterpret_cast<uint32_t*>(sg);
+        const __m512 pu = _mm512_set1_ps(up);
         for (int64_t t = 0; t < padded; t += 32) {
-          const __m512i pr = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + t + 16), _mm512_loadu_ps(sg + t));
+          const __m512i pr = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sg + t + 16), pu),
+                                                          _mm512_mul_ps(_mm512_loadu_ps(sg + t), pu));
           _mm512_storeu_si512(dst + t / 2, pr);
         }
         pb[g] = dst;
       }
       for (int64_t t = 0; t < len; t += 2) {
-        const scalar_t* va = vc + s.off[t] + k * HD;
-        const scalar_t* vb = vc + s.off[t + 1] + k * HD;  // past the context: p = 0 for a valid row
+        const cache_t* va = vc + s.off[t] + k * HD;
+        const cache_t* vb = vc + s.off[t + 1] + k * HD;  // past the context: p = 0 for a valid row
         for (int64_t i = 0; i < NP; ++i) {
-          const __m512i x = _mm512_loadu_si512(va + i * 32), y = _mm512_loadu_si512(vb + i * 32);
+          const __m512i x = load32bf(va + i * 32), y = load32bf(vb + i * 32);
           const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x, y), h = (__m512bh)_mm512_unpackhi_epi16(x, y);
           for (int64_t g = 0; g < G; ++g) {
             const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[g][t / 2]));
@@ -290,10 +325,11 @@ static inline void decode_group(const scalar_t* q, const scalar_t* kc, const sca
       }
       const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
       const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      const __m512 ob = _mm512_set1_ps(back);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < NP; ++i) {
-          store_out(ok + g * HD + i * 32, _mm512_permutex2var_ps(lo[g][i], first, hi[g][i]));
-          store_out(ok + g * HD + i * 32 + 16, _mm512_permutex2var_ps(lo[g][i], second, hi[g][i]));
+          store_out(ok + g * HD + i * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][i], first, hi[g][i]), ob));
+          store_out(ok + g * HD + i * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][i], second, hi[g][i]), ob));
         }
 #endif
     } else {
@@ -317,8 +353,8 @@ static inline void decode_group(const scalar_t* q, const scalar_t* kc, const sca
 
 // Few requests: one work item per (request, KV head), so every thread has work; at least
 // four requests per thread: one item per request (`rows`), each token's whole row read at once.
-template <typename scalar_t, int64_t NV, int64_t G, bool BF16DOT>
-static void decode_kernel_grouped(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int32_t* bt,
+template <typename scalar_t, typename cache_t, int64_t NV, int64_t G, bool BF16DOT>
+static void decode_kernel_grouped(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int32_t* bt,
                                   const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_kv_heads,
                                   int64_t block_size, int64_t max_blocks, double scale, bool rows) {
   constexpr int64_t HD = NV * 16;
@@ -329,7 +365,7 @@ static void decode_kernel_grouped(const scalar_t* q, const scalar_t* kc, const s
       const int64_t n = item / per;
       const int64_t kv0 = rows ? 0 : item % per, kv1 = rows ? num_kv_heads : kv0 + 1;
       const int64_t head = (n * num_kv_heads + kv0) * G * HD;  // the range's first query head
-      decode_group<scalar_t, NV, G, BF16DOT>(q + head, kc, vc, bt + n * max_blocks, lens[n], out + head, kv0, kv1,
+      decode_group<scalar_t, cache_t, NV, G, BF16DOT>(q + head, kc, vc, bt + n * max_blocks, lens[n], out + head, kv0, kv1,
                                              num_kv_heads, block_size, static_cast<float>(scale), scratch);
     }
   });
@@ -362,72 +398,87 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "contiguous tables");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache share a dtype");
+  // A float8 (e4m3) cache is read with a query in the model's dtype; otherwise both share one.
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "keys and values share a dtype");
+  TORCH_CHECK(fp8 || query.scalar_type() == k_cache.scalar_type(), "query and cache share a dtype");
   const int64_t num_decodes = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes");
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    auto run = [&](auto kernel) {
-      kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-             block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
-             num_heads, num_kv_heads, head_dim, block_size, block_table.size(1), scale);
-    };
-#if defined(__AVX512F__)
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-    // Enough requests to keep every thread busy: one item per request.
-    const bool rows = num_decodes >= 4 * at::get_num_threads() && head_dim <= 128;
-    auto run_vec = [&](auto kernel) {
-      kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-             block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
-             num_heads, num_kv_heads, block_size, block_table.size(1), scale, rows);
-    };
-    // bfloat16/float16 with the usual group sizes (query heads per KV head) and head sizes:
-    // sixteen tokens per scoring pass, the group's accumulators in registers.
-    const int64_t group = num_heads / num_kv_heads;
-    bool done = false;
-    auto grouped = [&](auto nv, auto g) {
-      constexpr int64_t NV = decltype(nv)::value, G = decltype(g)::value;
-      // 16-bit caches only: a float32 cache's rows are twice as long and its memory-bound
-      // steps ran slower this way than with whole rows per pass (docs/benchmarks.md).
-      if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
-        return;
-      } else {
-      if (done || head_dim != NV * 16 || group != G) return;
-      done = true;
-      auto go = [&](auto kernel) {
-        kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-               block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_decodes,
-               num_kv_heads, block_size, block_table.size(1), scale, rows);
+    auto with_cache = [&](auto cache_tag) {
+      using cache_t = typename decltype(cache_tag)::type;
+      const cache_t* kc = k_cache.data_ptr<cache_t>();
+      const cache_t* vc = v_cache.data_ptr<cache_t>();
+      auto run = [&](auto kernel) {
+        kernel(query.data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+               out.data_ptr<scalar_t>(), num_decodes, num_heads, num_kv_heads, head_dim, block_size,
+               block_table.size(1), scale);
       };
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+      // Enough requests to keep every thread busy: one item per request.
+      const bool rows = num_decodes >= 4 * at::get_num_threads() && head_dim <= 128;
+      // bfloat16/float16/float8 caches with the usual group sizes (query heads per KV head) and
+      // head sizes: sixteen tokens per scoring pass, the group's accumulators in registers.
+      const int64_t group = num_heads / num_kv_heads;
+      bool done = false;
+      auto grouped = [&](auto nv, auto g) {
+        constexpr int64_t NV = decltype(nv)::value, G = decltype(g)::value;
+        // Not for float32 caches: their rows are twice as long and memory-bound steps ran
+        // slower this way than with whole rows per pass (docs/benchmarks.md).
+        if constexpr (std::is_same_v<cache_t, float>) {
+          return;
+        } else {
+        if (done || head_dim != NV * 16 || group != G) return;
+        done = true;
+        auto go = [&](auto kernel) {
+          kernel(query.data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                 out.data_ptr<scalar_t>(), num_decodes, num_kv_heads, block_size, block_table.size(1), scale, rows);
+        };
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (bf16_dot) return go(decode_kernel_grouped<scalar_t, NV, G, true>);
+        if constexpr (std::is_same_v<cache_t, c10::Float8_e4m3fn> ||
+                      (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>)) {
+          if (bf16_dot) return go(decode_kernel_grouped<scalar_t, cache_t, NV, G, true>);
+        }
+#endif
+        go(decode_kernel_grouped<scalar_t, cache_t, NV, G, false>);
+        }
+      };
+      using I4 = std::integral_constant<int64_t, 4>;
+      using I8 = std::integral_constant<int64_t, 8>;
+      auto groups = [&](auto nv) {
+        grouped(nv, std::integral_constant<int64_t, 1>{});
+        grouped(nv, std::integral_constant<int64_t, 2>{});
+        grouped(nv, std::integral_constant<int64_t, 3>{});
+        grouped(nv, std::integral_constant<int64_t, 4>{});
+        grouped(nv, std::integral_constant<int64_t, 8>{});
+      };
+      groups(I4{});
+      groups(I8{});
+      if (done) return;
+      if constexpr (std::is_same_v<scalar_t, cache_t>) {
+        auto run_vec = [&](auto kernel) {
+          kernel(query.data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                 out.data_ptr<scalar_t>(), num_decodes, num_heads, num_kv_heads, block_size, block_table.size(1),
+                 scale, rows);
+        };
+        if (head_dim == 64) return run_vec(decode_kernel_avx512<scalar_t, 4>);
+        if (head_dim == 128) return run_vec(decode_kernel_avx512<scalar_t, 8>);
+        if (head_dim == 256) return run_vec(decode_kernel_avx512<scalar_t, 16>);
+      }
       }
 #endif
-      go(decode_kernel_grouped<scalar_t, NV, G, false>);
-      }
+      if (head_dim == 64) run(decode_kernel<scalar_t, cache_t, 64>);
+      else if (head_dim == 128) run(decode_kernel<scalar_t, cache_t, 128>);
+      else run(decode_kernel<scalar_t, cache_t, 0>);
     };
-    using I4 = std::integral_constant<int64_t, 4>;
-    using I8 = std::integral_constant<int64_t, 8>;
-    auto groups = [&](auto nv) {
-      grouped(nv, std::integral_constant<int64_t, 1>{});
-      grouped(nv, std::integral_constant<int64_t, 2>{});
-      grouped(nv, std::integral_constant<int64_t, 3>{});
-      grouped(nv, std::integral_constant<int64_t, 4>{});
-      grouped(nv, std::integral_constant<int64_t, 8>{});
-    };
-    groups(I4{});
-    groups(I8{});
-    if (done) return;
-    if (head_dim == 64) return run_vec(decode_kernel_avx512<scalar_t, 4>);
-    if (head_dim == 128) return run_vec(decode_kernel_avx512<scalar_t, 8>);
-    if (head_dim == 256) return run_vec(decode_kernel_avx512<scalar_t, 16>);
+    if (fp8) {
+      with_cache(CacheType<c10::Float8_e4m3fn>{});
+    } else {
+      with_cache(CacheType<scalar_t>{});
     }
-#endif
-    if (head_dim == 64) run(decode_kernel<scalar_t, 64>);
-    else if (head_dim == 128) run(decode_kernel<scalar_t, 128>);
-    else run(decode_kernel<scalar_t, 0>);
   });
   return out;
 }

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) {
@@ -12,6 +13,15 @@ static inline __m512 load16(const c10::BFloat16* p) {
 }
 static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// float8 e4m3 (a KV cache of one byte per element): its seven magnitude bits moved into a
+// float16's exponent and mantissa give the value times 2^-8 (normals and subnormals alike:
+// the exponent biases differ by 8), so widen as float16 and scale by 256.
+static inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
 // exp(x) for x <= 0 (scores minus their max); relative error ~1e-7.
