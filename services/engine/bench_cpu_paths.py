@@ -110,6 +110,16 @@ def part_sdpa() -> list[dict[str, Any]]:
     return rows
 
 
+def fresh_table(n: int) -> torch.Tensor:
+    """Block tables of ``n`` requests of up to 17 blocks as a fresh server lays them out: each
+    prompt's 13 blocks consecutive, the 4 decode blocks interleaved across the requests."""
+    table = torch.empty(n, 17, dtype=torch.int32)
+    for i in range(n):
+        table[i, :13] = torch.arange(13 * i, 13 * i + 13)
+        table[i, 13:] = torch.tensor([13 * n + n * r + i for r in range(4)])
+    return table
+
+
 def part_decode() -> list[dict[str, Any]]:
     """The decode kernel at the common load's decode shape (64 requests, contexts 201-264, block
     size 16), one call per layer over 30 layers' own caches (2,912 blocks each, as a 1 GiB bf16
@@ -125,18 +135,8 @@ def part_decode() -> list[dict[str, Any]]:
     rng = random.Random(0)
     n, blocks, bs, layers = 64, 2912, 16, 30
     lens = torch.tensor([rng.randint(201, 264) for _ in range(n)], dtype=torch.int32)
-    fresh = torch.empty(n, 17, dtype=torch.int32)
-    for i in range(n):
-        fresh[i, :13] = torch.arange(13 * i, 13 * i + 13)
-        fresh[i, 13:] = torch.tensor([13 * n + n * r + i for r in range(4)])
-    tables = {"fresh": fresh, "scattered": torch.randperm(blocks)[: n * 17].view(n, 17).to(torch.int32).contiguous(),
+    tables = {"fresh": fresh_table(n), "scattered": torch.randperm(blocks)[: n * 17].view(n, 17).to(torch.int32).contiguous(),
               "resident": torch.arange(17, dtype=torch.int32).repeat(n, 1).contiguous()}
-    extra: tuple[bool, ...] = (True,)  # bf16_dot
-    try:
-        kernel.paged_decode(torch.zeros(1, 3, 64), torch.zeros(1, 16, 3, 64), torch.zeros(1, 16, 3, 64),
-                            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0, True)
-    except TypeError:  # a kernel from before the bf16_dot argument (A/B runs against older trees)
-        extra = ()
     rows = []
     for dt in (BF16, torch.float8_e4m3fn, torch.float32):  # float8: --kv-cache-dtype fp8, bfloat16 queries
         caches = [(torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt), torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(dt))
@@ -147,7 +147,7 @@ def part_decode() -> list[dict[str, Any]]:
             def step() -> None:
                 for li in range(layers):
                     kc, vc = caches[0 if layout == "resident" else li]
-                    kernel.paged_decode(q, kc, vc, table, lens, HEAD_DIM**-0.5, *extra)
+                    kernel.paged_decode(q, kc, vc, table, lens, HEAD_DIM**-0.5, True)
 
             ms = best_ms(step, 3)
             rows.append({"part": "decode", "dtype": str(dt), "layout": layout, "ms_per_step": ms,
@@ -177,12 +177,10 @@ def part_flex() -> list[dict[str, Any]]:
     rng = random.Random(0)
     n, blocks, bs = 64, 2912, 16
     lens = torch.tensor([rng.randint(201, 264) for _ in range(n)], dtype=torch.int32)
-    table = torch.empty(n, 17, dtype=torch.int32)
+    table = fresh_table(n)
     owner = torch.full((blocks,), -1, dtype=torch.int32)
     logical = torch.zeros(blocks, dtype=torch.int32)
     for i in range(n):
-        table[i, :13] = torch.arange(13 * i, 13 * i + 13)
-        table[i, 13:] = torch.tensor([13 * n + n * r + i for r in range(4)])
         used = table[i, : -(-int(lens[i]) // bs)].long()
         owner[used] = i
         logical[used] = torch.arange(len(used), dtype=torch.int32)

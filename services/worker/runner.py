@@ -98,8 +98,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.weight_bytes = _weight_bytes(self.model)
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype == FP8 and self.device.type != "cpu":
-            raise ValueError("kv_cache_dtype 'fp8' is implemented on the CPU only (the cpu_paged backend)")
+        # the backend first: a float8 cache it cannot read is refused before any memory is committed
+        self.attn_backend = select_backend(config.attention_backend, self.device)
+        log.info("attention backend: %s", self.attn_backend.name)
+        if self.kv_dtype == FP8 and self.attn_backend.name != "cpu_paged":
+            raise ValueError(f"kv_cache_dtype 'fp8' needs the CPU and its cpu_paged attention backend, not "
+                             f"{self.device.type} / {self.attn_backend.name!r} (the CPU kernels: make kernels)")
         budget = self._kv_budget(kv_config)
         self.num_kv_blocks = num_blocks_for_budget(budget, kv_config, self.kv_dtype, self.block_size)
         if self.num_kv_blocks < 1:
@@ -143,11 +147,6 @@ class ModelRunner:
             self.lean = LeanDecoder.build(self.body, fused_kernels() if any(fused_ops.values()) else None)
             log.info("lean forward: %s", self.lean.mode if self.lean else "off (this model's layers)")
         self.batch = BatchState(self.block_size)
-        self.attn_backend = select_backend(config.attention_backend, self.device)
-        log.info("attention backend: %s", self.attn_backend.name)
-        if self.kv_dtype == FP8 and self.attn_backend.name != "cpu_paged":
-            raise ValueError(f"kv_cache_dtype 'fp8' needs the cpu_paged attention backend, not "
-                             f"{self.attn_backend.name!r} (it needs the CPU kernels: make kernels)")
         self.sampler = Sampler(self.device)
         eos, vocab, model = self.eos_token_ids, self.vocab_size, config.model
         self.constraints = ConstraintTracker(

@@ -228,7 +228,8 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: b
 
 @pytest.mark.parametrize("dtype,bf16_dot,fp8", [(torch.bfloat16, True, False), (torch.bfloat16, False, False),
                                                 (torch.float16, True, False), (torch.float32, True, False),
-                                                (torch.bfloat16, True, True), (torch.float32, True, True)])
+                                                (torch.bfloat16, True, True), (torch.bfloat16, False, True),
+                                                (torch.float32, True, True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4), (16, 2), (14, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])

@@ -190,6 +190,9 @@ static inline void store_out(c10::Half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// The float8 scalings of the bf16-dot path (load32bf below).
+constexpr float FP8_UP = 1267650600228229401496703205376.f;  // 2^100
+constexpr float FP8_BACK = 1048576.f;                         // 2^20 = 2^120 / 2^100
 #if defined(__AVX512BF16__)
 // Thirty-two cache elements as bfloat16 operands of vdpbf16ps. A bfloat16 cache: as stored.
 // A float8 (e4m3) cache: each byte's seven magnitude bits moved under a bfloat16's exponent
@@ -202,8 +205,6 @@ static inline __m512i load32bf(const c10::Float8_e4m3fn* p) {
   return _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 4),
                          _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
 }
-constexpr float FP8_UP = 1267650600228229401496703205376.f;  // 2^100
-constexpr float FP8_BACK = 1048576.f;                         // 2^20 = 2^120 / 2^100
 // bfloat16 pairs of thirty-two query elements times `up` (a power of two: exact in range).
 template <typename scalar_t>
 static inline __m512i query32bf(const scalar_t* p, float up) {
@@ -221,9 +222,9 @@ struct HeadScratch {
 // compile-time). Keys sixteen tokens at a time, every KV head of the range from the same
 // rows (whole rows of the cache when the range is all heads: one contiguous stretch per
 // block): one partial-product vector per token, folded into sixteen scores by hsum16.
-// Values one KV head at a time, the group's accumulators in registers. BF16DOT (bfloat16
-// cache, AVX512-BF16): Q.K^T and P.V as bf16 dot products (vdpbf16ps), P rounded to
-// bfloat16 as the prompt kernel and GPU flash kernels do; otherwise keys and values are
+// Values one KV head at a time, the group's accumulators in registers. BF16DOT (a bfloat16
+// or float8 cache, AVX512-BF16): Q.K^T and P.V as bf16 dot products (vdpbf16ps), P rounded
+// to bfloat16 as the prompt kernel and GPU flash kernels do; otherwise keys and values are
 // widened to float32 and multiplied with FMAs.
 template <typename scalar_t, typename cache_t, int64_t NV, int64_t G, bool BF16DOT>
 static inline void decode_group(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int32_t* table,
@@ -240,8 +241,10 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
   // (a probability of 0), so every sixteen-token pass has a fixed length.
   std::fill(s.off.begin() + len, s.off.end(), s.off[0]);
   s.scores.assign(nkv * G * padded, -INFINITY);
-  constexpr bool FP8 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
-  const float up = FP8 ? FP8_UP : 1.f, back = FP8 ? FP8_BACK : 1.f;
+  // float8 through bf16 dot products: operands and results scaled as load32bf explains (the
+  // FMA path widens the bytes to their true values and needs no scaling)
+  constexpr bool SCALED = BF16DOT && std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+  const float up = SCALED ? FP8_UP : 1.f, back = SCALED ? FP8_BACK : 1.f;
   const __m512 sc = _mm512_set1_ps(scale * back), ninf = _mm512_set1_ps(-INFINITY);
   // The values are read one KV head at a time after the softmax, a strided walk: bring
   // their rows into L2 while the keys of the same blocks are read.
@@ -392,7 +395,7 @@ static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const sc
 }
 #endif
 
-// bf16_dot: a bfloat16 cache through AVX512-BF16 dot products where the CPU has them.
+// bf16_dot: a bfloat16 or float8 cache through AVX512-BF16 dot products where the CPU has them.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale, bool bf16_dot) {
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
