@@ -8,11 +8,12 @@ because JSON has no infinity.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from services.gateway.generation import ChoiceEvent
 from services.gateway.tokenizer import GatewayTokenizer
@@ -24,9 +25,12 @@ def _lp(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
+_encode = msgspec.json.Encoder().encode  # compact UTF-8 JSON, ~10x cheaper than json.dumps per chunk
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else _encode(data)
+    return b"data: " + payload + b"\n\n"
 
 
 @dataclass

@@ -49,6 +49,7 @@ router = APIRouter()
 
 STREAM_HEADER_WAIT_S = 1.0
 STREAM_STALL_TIMEOUT_S = 30.0
+STREAM_STALL_CHECK_S = 5.0
 # tokenizing a long prompt off the event loop keeps other streams flowing
 TOKENIZE_IN_THREAD_CHARS = 16_384
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, logs do
@@ -221,19 +222,30 @@ class _DisconnectAwareStream(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def send_or_give_up(message: Message) -> None:
+        loop = asyncio.get_running_loop()
+        writing_since: list[float | None] = [None]
+
+        async def send_and_mark(message: Message) -> None:
+            writing_since[0] = loop.time()
+            await send(message)  # returns at once unless the transport's buffer is full
+            writing_since[0] = None
+
+        async def watch_stalls() -> None:
             # a client that keeps the connection open but stops reading blocks the write
-            # once buffers fill; treat it like a client that left
-            try:
-                await asyncio.wait_for(send(message), STREAM_STALL_TIMEOUT_S)
-            except TimeoutError as e:
-                raise OSError("the client stopped reading the stream") from e
+            # once buffers fill; treat it like a client that left. One timer per stream,
+            # not one per chunk: a timeout around every write cost ~15 % of the gateway's CPU.
+            while True:
+                await asyncio.sleep(STREAM_STALL_CHECK_S)
+                since = writing_since[0]
+                if since is not None and loop.time() - since > STREAM_STALL_TIMEOUT_S:
+                    raise OSError("the client stopped reading the stream")
 
         try:
             async with asyncio.TaskGroup() as tg:
-                stream = tg.create_task(self.stream_response(send_or_give_up))
+                stream = tg.create_task(self.stream_response(send_and_mark))
                 listen = tg.create_task(self.listen_for_disconnect(receive))
-                stream.add_done_callback(lambda _: listen.cancel())
+                watch = tg.create_task(watch_stalls())
+                stream.add_done_callback(lambda _: (listen.cancel(), watch.cancel()))
                 listen.add_done_callback(lambda _: stream.cancel())
         except* OSError:
             pass  # the client went away mid-write
