@@ -10,6 +10,13 @@ A request whose trace line has ``cancel_after`` is closed by the client after
 that many tokens: it is recorded as ``cancelled``, never as a completion or an
 error. Failures are split by kind: HTTP 429, HTTP 503, client-side timeouts,
 and everything else (including error events inside an open stream).
+
+The streams go through aiohttp (a C HTTP parser on asyncio's own transports) and
+msgspec's JSON decoder: on a machine where the load generator shares the cores with
+the server it measures, the client's CPU per token is taken from the server, and
+httpx's stack (httpcore, anyio, h11) cost about twice what aiohttp does per chunk
+(docs/benchmarks.md, "Gateway cost per streamed token"). httpx stays for the plain
+requests (model discovery, metrics).
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
+import msgspec
 
 from loadtests.trace import TraceRequest
 
@@ -181,51 +190,87 @@ class _StreamState:
         return self.cancel_after is not None and self.num_chunks >= self.cancel_after
 
 
+def stream_session(request_timeout_s: float, max_connections: int = 0) -> aiohttp.ClientSession:
+    """The session streams go through: no proxies from the environment, no connection cap by
+    default (an open loop must not queue behind the client), keep-alive connections reused,
+    ``request_timeout_s`` between two reads (``send_request`` also bounds the whole request)."""
+    connector = aiohttp.TCPConnector(limit=max_connections)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=request_timeout_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False)
+
+
+_encode_json = msgspec.json.Encoder().encode
+_decode_json = msgspec.json.Decoder().decode
+
+
 async def send_request(
-    client: httpx.AsyncClient, request: TraceRequest, config: ClientConfig, run_start: float
+    session: aiohttp.ClientSession, request: TraceRequest, config: ClientConfig, run_start: float
 ) -> RequestRecord:
     """Send one request, stream it to the end (or to its cancel point), and time it."""
     path, body = request_body(request, config)
     record = RequestRecord(request.id, request.group, prompt_tokens=request.prompt_tokens)
+    headers = {"Content-Type": "application/json", **config.headers()}
+    data = _encode_json(body)
     start = time.perf_counter()
     record.sent_s = start - run_start
     state = _StreamState(record, start, request.cancel_after)
     try:
-        # A total deadline: httpx's own timeouts only bound each read.
+        # A total deadline: the session's own timeouts only bound each read.
         async with asyncio.timeout(config.request_timeout_s):
-            async with client.stream("POST", config.url(path), json=body, headers=config.headers()) as response:
-                record.http_status = response.status_code
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    record.error_kind = classify_status(response.status_code)
+            async with session.post(config.url(path), data=data, headers=headers) as response:
+                record.http_status = response.status
+                if response.status != 200:
+                    text = (await response.read()).decode(errors="replace")
+                    record.error_kind = classify_status(response.status)
                     record.error = _error_message(text)
                     return _finish(record, state, time.perf_counter())
-                stopped = await _read_stream(response, state)
+                stopped = await _read_stream(response.content, state)
                 if stopped and record.error_kind is None:
                     record.status = "cancelled"
-    except (httpx.TimeoutException, TimeoutError) as exc:
+    except TimeoutError as exc:  # aiohttp's read timeouts are TimeoutErrors too
         record.error_kind, record.error = "timeout", f"{type(exc).__name__}: no answer within {config.request_timeout_s}s"
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         record.error_kind, record.error = "other", f"{type(exc).__name__}: {exc}"[:500]
     return _finish(record, state, time.perf_counter())
 
 
-async def _read_stream(response: httpx.Response, state: _StreamState) -> bool:
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            state.done = True
-            return False
-        try:
-            chunk = json.loads(payload)
-        except json.JSONDecodeError:
-            state.record.error_kind, state.record.error = "other", f"bad SSE payload: {payload[:200]}"
-            return False
-        if state.on_chunk(chunk, time.perf_counter()):
-            return True
+async def _read_stream(content: aiohttp.StreamReader, state: _StreamState) -> bool:
+    """Fold the SSE events in as the bytes arrive; True when the client stopped on purpose.
+
+    Every event of one read gets that read's time: they reached the client together.
+    """
+    pending = b""
+    async for data in content.iter_any():
+        now = time.perf_counter()
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            verdict = _on_line(line, state, now)
+            if verdict is not None:
+                return verdict
+    if pending:  # a last line without its newline
+        verdict = _on_line(pending, state, time.perf_counter())
+        if verdict is not None:
+            return verdict
     return False
+
+
+def _on_line(line: bytes, state: _StreamState, now: float) -> bool | None:
+    """One SSE line: None to read on, else what ``_read_stream`` returns."""
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        state.done = True
+        return False
+    try:
+        chunk = _decode_json(payload)
+    except msgspec.DecodeError:
+        chunk = None
+    if not isinstance(chunk, dict):
+        text = payload[:200].decode(errors="replace")
+        state.record.error_kind, state.record.error = "other", f"bad SSE payload: {text}"
+        return False
+    return True if state.on_chunk(chunk, now) else None
 
 
 def _finish(record: RequestRecord, state: _StreamState, now: float) -> RequestRecord:

@@ -18,10 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
+import uvloop
 
 from loadtests.arrivals import ArrivalSpec, send_offsets
-from loadtests.client import AUTH_STATUSES, ClientConfig, RequestRecord, auth_refused, send_request
+from loadtests.client import (
+    AUTH_STATUSES,
+    ClientConfig,
+    RequestRecord,
+    auth_refused,
+    send_request,
+    stream_session,
+)
 from loadtests.metrics import CostModel, GoodputSLO, RunSLO, slo_violations, summarize
 from loadtests.progress import Progress
 from loadtests.saturation import SaturationRule
@@ -74,7 +83,7 @@ class BenchSettings:
 
 
 def run_once(trace: Trace, plan: RunPlan, settings: BenchSettings) -> dict[str, Any]:
-    return asyncio.run(run_once_async(trace, plan, settings))
+    return uvloop.run(run_once_async(trace, plan, settings))
 
 
 async def run_once_async(trace: Trace, plan: RunPlan, settings: BenchSettings) -> dict[str, Any]:
@@ -82,9 +91,7 @@ async def run_once_async(trace: Trace, plan: RunPlan, settings: BenchSettings) -
     async with httpx.AsyncClient(trust_env=False) as probe:
         before = await scraper.scrape(probe)
     stop = asyncio.Event()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    timeout = httpx.Timeout(settings.client.request_timeout_s, connect=10.0)
-    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
+    async with stream_session(settings.client.request_timeout_s) as client:
         run_start = time.perf_counter()
         in_flight = InFlight(run_start)
         sampler = asyncio.create_task(scraper.sample_until(stop, run_start, settings.sample_interval_s))
@@ -171,7 +178,7 @@ def _server_columns(summary: dict[str, Any], server: dict[str, Any], series: dic
 
 
 async def _tracked(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     request: TraceRequest,
     settings: BenchSettings,
     run_start: float,
@@ -191,7 +198,7 @@ async def _tracked(
 
 
 async def _open_loop(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     trace: Trace,
     plan: RunPlan,
     settings: BenchSettings,
@@ -240,7 +247,7 @@ async def _open_loop(
 
 
 async def _closed_loop(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     requests: list[TraceRequest],
     plan: RunPlan,
     settings: BenchSettings,
@@ -280,10 +287,10 @@ def warmup(trace: Trace, settings: BenchSettings, num_requests: int) -> None:
     short = Trace(trace.requests[:num_requests], dict(trace.meta))
     quiet = BenchSettings(settings.client, quiet=True)
     plan = RunPlan("warmup", 3600.0, ArrivalSpec("closed"), concurrency=1)
-    asyncio.run(_closed_loop_only(short, plan, quiet))
+    uvloop.run(_closed_loop_only(short, plan, quiet))
 
 
 async def _closed_loop_only(trace: Trace, plan: RunPlan, settings: BenchSettings) -> None:
-    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(settings.client.request_timeout_s)) as client:
+    async with stream_session(settings.client.request_timeout_s) as client:
         start = time.perf_counter()
         await _closed_loop(client, trace.requests, plan, settings, start, InFlight(start))

@@ -7,7 +7,10 @@ HTTP, validation, tokenization, the zmq client, detokenization, stop-string
 checks and SSE encoding. N concurrent streaming completions run at once; the
 gateway process's CPU time (user + system, from /proc) over the run divided by
 the tokens streamed is the headline, because wall time on a shared machine
-mostly measures the neighbours. Prints one JSON object; ``--out`` also writes it.
+mostly measures the neighbours. The streams are read by the load tests' own client
+(``loadtests/client.py``), whose CPU per token is reported beside the gateway's: on a
+machine where the load generator shares the cores with the server, it is part of what a
+benchmark measures. Prints one JSON object; ``--out`` also writes it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from typing import Any
 
 import httpx
 import psutil
+import uvloop
 
+from loadtests.client import ClientConfig, send_request, stream_session
+from loadtests.trace import TraceRequest
 from services.gateway.fake_scheduler import FakeScheduler
 from services.gateway.tokenizer import load_gateway_tokenizer
 
@@ -55,43 +61,36 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0)
     raise RuntimeError("the gateway did not become ready")
 
 
-async def one_stream(client: httpx.AsyncClient, model: str, i: int, max_tokens: int,
-                     stop: list[str]) -> tuple[float, int]:
-    """(time to first chunk, chunks) of one streaming completion."""
-    t0 = time.perf_counter()
-    first: float | None = None
-    chunks = 0
-    body = {"model": model, "prompt": f"request {i}: tell me a story", "max_tokens": max_tokens,
-            "stream": True, "stop": stop}
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: {"):
-                chunks += 1
-                if first is None:
-                    first = time.perf_counter() - t0
-    return (first or 0.0), chunks
-
-
 async def run_load(url: str, model: str, gateway_pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=args.streams + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        await one_stream(client, model, -1, 8, [])  # warm-up
+    """The streams through the load tests' own client (loadtests/client.py), timed on both sides."""
+    config = ClientConfig(base_url=url, model=model, request_timeout_s=120,
+                          extra_body={"stop": args.stop} if args.stop else {})
+    requests = [TraceRequest(id=f"r{i}", prompt=f"request {i}: tell me a story", max_tokens=args.max_tokens)
+                for i in range(args.streams)]
+    async with stream_session(120.0) as client:
+        warm = TraceRequest(id="warm", prompt="warm-up", max_tokens=8)
+        await send_request(client, warm, config, time.perf_counter())
         proc = psutil.Process(gateway_pid)
         cpu0 = proc.cpu_times()
+        client0 = time.thread_time()  # this thread runs the client; the fake scheduler has its own
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(client, model, i, args.max_tokens, args.stop)
-                                         for i in range(args.streams)))
+        records = await asyncio.gather(*(send_request(client, r, config, t0) for r in requests))
         wall = time.perf_counter() - t0
+        client_cpu = time.thread_time() - client0
         cpu1 = proc.cpu_times()
+    failed = [r for r in records if r.status != "ok"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} streams failed, first: {failed[0].error}")
     cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
-    chunks = sum(n for _, n in results)
-    ttfts = sorted(t for t, _ in results)
+    chunks = sum(r.output_tokens for r in records)
+    ttfts = sorted(r.ttft_s or 0.0 for r in records)
     return {
         "streams": args.streams, "max_tokens": args.max_tokens, "stop_strings": len(args.stop),
         "tick_ms": args.tick_ms, "chunks": chunks, "wall_s": round(wall, 3),
         "chunks_per_s_wall": round(chunks / wall), "gateway_cpu_s": round(cpu, 3),
         "gateway_cpu_us_per_token": round(cpu / max(chunks, 1) * 1e6, 1),
+        "client_cpu_s": round(client_cpu, 3),
+        "client_cpu_us_per_token": round(client_cpu / max(chunks, 1) * 1e6, 1),
         "ttft_p50_ms": round(ttfts[len(ttfts) // 2] * 1000, 1),
         "ttft_max_ms": round(ttfts[-1] * 1000, 1),
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, gateway)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        result = asyncio.run(run_load(url, model, gateway.pid, args))
+        result = uvloop.run(run_load(url, model, gateway.pid, args))
     finally:
         os.killpg(gateway.pid, signal.SIGTERM)
         try:
