@@ -151,7 +151,10 @@ class SchedulerService:
     def close(self) -> None:
         # Tell workers to exit so a restarted scheduler meets freshly announced ranks.
         self.plan_sock.send(encode(Shutdown(reason="scheduler stopping")))
-        self.plan_sock.close(linger=1000)  # let the Shutdown leave
+        # Let the Shutdown leave. A PUB socket drops messages for peers that are gone at once,
+        # so the linger only delays the exit while a connected worker has not read it yet; on
+        # a starved machine 1 s was not always enough (a test saw no Shutdown in 20 s).
+        self.plan_sock.close(linger=5000)
         self.gateway_sock.close(linger=0)
         self.result_sock.close(linger=0)
 
