@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import cache
 from typing import Any
 
 import torch
@@ -35,11 +36,13 @@ SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: half of each channel's r
 CALIBRATION_TOKENS = 512
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float weight -> (int8 [out, in], float32 scale [out]), one scale per output channel."""
+def quantize_weight(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (int8 [out, in], float32 scale [out]), one scale per output
+    channel, values in [-qmax, qmax] (``int8_weight_max()``: 63 where the CPU's int8
+    products would saturate on full-range weights)."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / 127
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    scale = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / qmax
+    return torch.round(w / scale[:, None]).clamp(-qmax, qmax).to(torch.int8), scale
 
 
 def quant_rows_torch(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +86,7 @@ class Int8Linear(nn.Module):
             s = s.clamp(min=1e-5)
             weight = weight * s
             inv_smooth = (1 / s).contiguous()
-        qweight, scale = quantize_weight(weight)
+        qweight, scale = quantize_weight(weight, int8_weight_max())
         self.register_buffer("qweight", qweight)  # [out, in]: torch._int_mm reads its transpose fastest
         self.register_buffer("weight_scale", scale)
         self.register_buffer("inv_smooth", inv_smooth)
@@ -109,15 +112,47 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
+def _int_mm_exact(wmax: int) -> bool:
+    """Does ``torch._int_mm`` give the exact int32 products of full-range activations
+    (+-127, the extremes included) and weights in [-wmax, wmax]?"""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (8, 256), generator=gen, dtype=torch.int8)
+    a[0], a[1] = 127, -127
+    b = torch.randint(-wmax, wmax + 1, (256, 32), generator=gen, dtype=torch.int8)
+    b[:, 0], b[:, 1] = wmax, -wmax
+    want = (a.double() @ b.double()).to(torch.int32)  # exact: every sum is far below 2^53
+    return torch.equal(torch._int_mm(a, b), want)
+
+
+@cache
+def int8_weight_max() -> int:
+    """The largest |weight| this CPU's int8 products take without saturating: 127, or 63.
+
+    oneDNN's int8 kernels on CPUs without VNNI (AVX2, or AVX-512 before Cascade Lake;
+    also under ``ONEDNN_MAX_CPU_ISA=AVX2``) multiply unsigned-shifted activations by the
+    weights with ``vpmaddubsw``, whose int16 pair sums saturate unless the weights fit in
+    7 bits: full-range weights there gave products off by up to ~10^5 (docs/worker.md).
+    A probe answers for the kernels this process actually runs, whatever the CPU or the
+    environment. 0: not even 7-bit weights are exact (``int8_available`` says why).
+    """
+    for wmax in (127, 63):
+        if _int_mm_exact(wmax):
+            if wmax < 127:
+                log.warning("int8: this CPU's int8 matmul saturates on 8-bit weights (no VNNI): "
+                            "weights are quantized to 7 bits (+-%d)", wmax)
+            return wmax
+    return 0
+
+
 def int8_available() -> str | None:
     """Why this torch cannot run int8 linears here (None: it can)."""
     try:
         a = torch.ones(2, 32, dtype=torch.int8)
-        got = torch._int_mm(a, torch.ones(32, 8, dtype=torch.int8))
+        torch._int_mm(a, torch.ones(32, 8, dtype=torch.int8))
     except (RuntimeError, AttributeError) as exc:
         return f"torch._int_mm is unavailable on the CPU in this torch build ({exc})"
-    if not bool((got == 32).all()):
-        return "torch._int_mm returned wrong results on a probe"
+    if int8_weight_max() == 0:
+        return "torch._int_mm returned wrong results on a probe, even with 7-bit weights"
     return None
 
 

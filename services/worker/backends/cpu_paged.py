@@ -57,6 +57,20 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_march() -> str:
+    """The ``-march`` the kernels are built for: ``FERRY_CPU_MARCH``, default ``native``.
+
+    ``x86-64-v3`` (AVX2 and FMA, no AVX-512) builds the kernels an AVX2-only CPU runs, on
+    any newer one: with ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2`` for
+    torch's own kernels, that is how the AVX2 paths are tested on an AVX-512 machine; a
+    container image for a mixed fleet can use it too.
+    """
+    march = os.environ.get("FERRY_CPU_MARCH", "").strip() or "native"
+    if not all(c.isalnum() or c in "-_." for c in march):
+        raise ValueError(f"FERRY_CPU_MARCH={march!r} is not a -march value")
+    return march
+
+
 @cache
 def load_extension() -> Any:
     """Build (once per source and CPU) and load ferry's CPU kernels: paged decode, prefill attention, fused ops."""
@@ -64,11 +78,12 @@ def load_extension() -> Any:
 
     sources = [p.read_text() for p in SOURCES]
     header = (CSRC / "vec512.h").read_text()
-    key = hashlib.sha256(("".join(sources) + header + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    march = cpu_march()
+    key = hashlib.sha256(("".join(sources) + header + _cpu_flags() + march + torch.__version__).encode()).hexdigest()[:12]
     t0 = time.monotonic()
     module = load_inline(
         name=f"ferry_cpu_kernels_{key}", cpp_sources=sources, functions=FUNCTIONS,
-        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(CSRC)], verbose=False,
     )
     log.info("CPU kernels (paged decode, prefill attention, fused ops, int8 quantization) ready in %.1fs", time.monotonic() - t0)
