@@ -18,10 +18,12 @@ computes all three outputs in one oneDNN call and hands ``k_proj`` and ``v_proj`
 (``FusedHead`` / ``FusedPart``). One product of width 960 instead of 576 + 192 + 192
 and one of 3,072 instead of 2 x 1,536 ran 1.2-1.3x faster at every batch size measured.
 
-Only bfloat16 by default: in float32 oneDNN's kernels sum in another order than MKL's
-(differences ~1e-4 on these shapes), and float32 is the dtype whose greedy output must
-match transformers token for token. ``FERRY_CPU_PACKED_LINEAR=0`` turns packing off,
-``=all`` packs float32 too.
+float32 too: there oneDNN's kernels sum in another order than MKL's (differences ~1e-5
+relative on these shapes), so logits are no longer bit-identical to transformers', but
+greedy outputs stayed token-identical (SmolLM2-135M: 50 of 50 chat prompts x 64 tokens;
+the token-exact tests pass) and the common load ran 1.13-1.18x faster, on AVX2 too
+(docs/benchmarks.md, "float32"). ``FERRY_CPU_PACKED_LINEAR=bf16`` keeps float32 on
+``F.linear``, bit-identical to transformers; ``=0`` turns packing off.
 """
 
 from __future__ import annotations
@@ -108,7 +110,9 @@ def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device
     The joined layer is ``make(joined, first_of_group)`` (``--quantization int8``: an
     ``Int8Linear``), by default a ``PackedLinear`` where packing applies. A packed group
     must compute bit for bit what ``F.linear`` computed for each layer; a group from
-    ``make`` (which rounds on purpose) within 10 % of the largest output, on a probe.
+    ``make`` (which rounds on purpose) within 10 % of the largest output, on a probe. In
+    float32 a packed group may differ from the separate products by summation order
+    (1e-5 of the largest output at most).
     """
     if make is None and not packing_enabled(dtype, device):
         return 0
@@ -137,7 +141,7 @@ def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device
             probe = torch.randn(3, first.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
             outs = head(probe), *(FusedPart(head, i)(probe) for i in range(1, len(layers)))
             alone = [F.linear(probe, m.weight, m.bias) for m in layers]
-            same = torch.equal if make is None else _near
+            same = _near if make is not None else _order_only if dtype == torch.float32 else torch.equal
             if not all(same(o, a) for o, a in zip(outs, alone, strict=True)):
                 log.warning("fused %s differ from separate products; left unfused", "/".join(names))
                 continue
@@ -152,13 +156,18 @@ def _near(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a.float() - b.float()).abs().max() <= 0.1 * b.float().abs().max())
 
 
+def _order_only(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """float32 products that differ only as another summation order makes them differ."""
+    return bool((a - b).abs().max() <= 1e-5 * b.abs().max())
+
+
 def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     setting = os.environ.get("FERRY_CPU_PACKED_LINEAR", "1").strip().lower()
     if device.type != "cpu" or setting in ("0", "false", "no", "off"):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.bfloat16 or (setting == "all" and dtype == torch.float32)
+    return dtype == torch.bfloat16 or (setting != "bf16" and dtype == torch.float32)
 
 
 def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int:

@@ -45,17 +45,35 @@ def test_packed_linear_is_bit_identical_in_bfloat16(bias: bool, shape: tuple[int
     assert torch.equal(out, F.linear(x, lin.weight, lin.bias))
 
 
-def test_packing_is_off_for_float32_and_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert packing_enabled(torch.bfloat16, CPU)
-    assert not packing_enabled(torch.float32, CPU)  # float32 must equal transformers bit for bit
+def test_packing_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert packing_enabled(torch.bfloat16, CPU) and packing_enabled(torch.float32, CPU)
     assert not packing_enabled(torch.bfloat16, torch.device("cuda"))
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    assert pack_linears(model, torch.float32, CPU) == 0
+    assert pack_linears(model, torch.float32, CPU) == 2
+    monkeypatch.setenv("FERRY_CPU_PACKED_LINEAR", "bf16")  # float32 bit-identical to transformers
+    assert packing_enabled(torch.bfloat16, CPU) and not packing_enabled(torch.float32, CPU)
+    assert pack_linears(nn.Sequential(nn.Linear(8, 8)), torch.float32, CPU) == 0
     monkeypatch.setenv("FERRY_CPU_PACKED_LINEAR", "0")
-    assert not packing_enabled(torch.bfloat16, CPU)
-    assert pack_linears(model.to(torch.bfloat16), torch.bfloat16, CPU) == 0
-    monkeypatch.setenv("FERRY_CPU_PACKED_LINEAR", "all")
-    assert packing_enabled(torch.float32, CPU)
+    assert not packing_enabled(torch.bfloat16, CPU) and not packing_enabled(torch.float32, CPU)
+    assert pack_linears(nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16), torch.bfloat16, CPU) == 0
+
+
+def test_float32_packing_and_fusion_stay_within_summation_order() -> None:
+    gen = torch.Generator().manual_seed(3)
+    attn = nn.Module()
+    for name, out in (("q_proj", 576), ("k_proj", 192), ("v_proj", 192)):
+        setattr(attn, name, nn.Linear(576, out, bias=False))
+    with torch.no_grad():
+        for m in attn.children():
+            m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * 0.05)
+    x = torch.randn(7, 576, generator=gen)
+    want = [F.linear(x, m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert fuse_projections(attn, torch.float32, CPU) == 1
+    assert isinstance(attn.q_proj, FusedHead) and isinstance(attn.q_proj.fused, PackedLinear)
+    got = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32 and g.shape == w.shape
+        assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
 
 
 def test_fused_part_refuses_another_input() -> None:
