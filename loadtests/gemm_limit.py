@@ -11,9 +11,13 @@ generate ``output_tokens`` tokens, those products have known shapes:
   output token comes out of the prefill);
 - LM heads: one row per output token, ``num_requests`` rows at a time.
 
-``measure`` times ``torch.matmul`` for each of those shapes on this machine, with
-the given threads and dtype, and keeps the best of a few trials (a limit is what
-the hardware can do, not what it did beside other jobs). The limit is then the
+``measure`` times each of those shapes on this machine, with the given threads and
+dtype, through both of PyTorch's CPU GEMM libraries: ``torch.matmul`` (MKL in float32,
+oneDNN in bfloat16) and oneDNN on a weight packed once into its blocked layout
+(``mkldnn._linear_pointwise``, what ferry's and vLLM's CPU linears call), and keeps the
+best of a few trials of the faster (a limit is what the hardware can do, not what it did
+beside other jobs). The two differ most in float32 on AMD CPUs, where MKL takes a slow
+path: on a Zen 5 EPYC oneDNN ran these shapes at 2.1-2.9x MKL's rate. The limit is then the
 trace's FLOPs at those rates: no attention, norms, sampling or serving, so no
 server can beat it; the board reports each server's throughput as a share of it.
 """
@@ -64,26 +68,41 @@ class TraceShape:
     prefill_chunk: int = 2048
 
 
-def _rate(m: int, k: int, n: int, dtype: Any, min_s: float, trials: int) -> float:
-    """Best FLOP/s of ``[m, k] @ [k, n]`` over ``trials`` timed loops of at least ``min_s`` each."""
-    import torch
-
-    x = torch.randn(m, k).to(dtype)
-    w = torch.randn(n, k).to(dtype).t()  # stored [out, in] like nn.Linear, multiplied transposed
+def _best_rate(run: Any, flops_per_call: float, min_s: float, trials: int) -> float:
+    """Best FLOP/s of ``run()`` over ``trials`` timed loops of at least ``min_s`` each."""
     for _ in range(2):
-        torch.matmul(x, w)
+        run()
     best = 0.0
     for _ in range(trials):
         reps = 0
         start = time.perf_counter()
         while True:
-            torch.matmul(x, w)
+            run()
             reps += 1
             elapsed = time.perf_counter() - start
             if elapsed >= min_s:
                 break
-        best = max(best, 2.0 * m * k * n * reps / elapsed)
+        best = max(best, flops_per_call * reps / elapsed)
     return best
+
+
+def _rates(m: int, k: int, n: int, dtype: Any, min_s: float, trials: int) -> dict[str, float]:
+    """Best FLOP/s of ``[m, k] @ [k, n]`` by library: ``matmul``, and ``onednn`` where it runs."""
+    import torch
+
+    x = torch.randn(m, k).to(dtype)
+    weight = torch.randn(n, k).to(dtype)  # stored [out, in] like nn.Linear, multiplied transposed
+    w = weight.t()
+    flops = 2.0 * m * k * n
+    rates = {"matmul": _best_rate(lambda: torch.matmul(x, w), flops, min_s, trials)}
+    if torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, m)
+            rates["onednn"] = _best_rate(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                                         flops, min_s, trials)
+        except (RuntimeError, AttributeError):  # a torch without the packed-linear ops: matmul alone
+            pass
+    return rates
 
 
 def measure(dims: ModelDims, trace: TraceShape, dtype_name: str, threads: int,
@@ -100,10 +119,12 @@ def measure(dims: ModelDims, trace: TraceShape, dtype_name: str, threads: int,
     parts: list[dict[str, Any]] = []
 
     def add(part: str, name: str, m: int, k: int, n: int, num_rows: int) -> None:
-        rate = _rate(m, k, n, dtype, min_s, trials)
+        rates = _rates(m, k, n, dtype, min_s, trials)
+        via = max(rates, key=lambda key: rates[key])
+        rate = rates[via]
         flops = 2.0 * num_rows * k * n
         parts.append({"part": part, "name": name, "m": m, "k": k, "n": n, "flops": flops,
-                      "gflop_s": rate / 1e9, "seconds": flops / rate})
+                      "gflop_s": rate / 1e9, "seconds": flops / rate, "via": via})
 
     for name, k, n in dims.layer_shapes():
         add("prefill", name, chunk, k, n, num_prompt * dims.num_layers)
