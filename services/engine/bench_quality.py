@@ -3,8 +3,10 @@
     python -m services.engine.bench_quality --threads 2 --out results/quality-int8.json
 
 - Greedy agreement: 50 fixed prompts (chat template applied), ``--max-tokens`` greedy
-  tokens each, from ferry's offline engine in float32 (the token-exact reference) and in
-  each variant: bfloat16 (the default on CPUs with native bfloat16, for scale), int8 on
+  tokens each, from ferry's offline engine in float32 with its linears on ``F.linear``
+  (``FERRY_CPU_FLOAT32_EXACT=1``: a prompt's logits bit-identical to transformers', the reference)
+  and in each variant: float32 as served by default (linears packed and fused for oneDNN,
+  summed in another order), bfloat16 (the default on CPUs with native bfloat16, for scale), int8 on
   bfloat16 (what ``--quantization int8`` serves there), int8 on float32, and bfloat16 with a
   float8 KV cache (``--kv-cache-dtype fp8``); reports the
   share of prompts whose outputs are identical and the mean share of tokens before the
@@ -48,19 +50,38 @@ VARIANTS = [("bfloat16", "bfloat16", "none"), ("int8 (bfloat16)", "bfloat16", "i
 KV_VARIANTS = [("bfloat16, fp8 KV cache", "bfloat16", "none", "fp8")]
 
 
-def greedy_agreement(model: str, max_tokens: int, threads: int) -> dict[str, Any]:
+def greedy_agreement(model: str, max_tokens: int, threads: int, only: list[str] | None = None) -> dict[str, Any]:
+    """Each variant's greedy outputs against the reference's (``only``: those variants' labels alone)."""
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
     outputs: dict[str, list[list[int]]] = {}
-    runs = [("float32", "float32", "none", "auto"), *[(*v, "auto") for v in VARIANTS], *KV_VARIANTS]
+    timings: dict[str, float] = {}
+    runs = [("float32", "float32", "none", "auto"), ("float32 (packed)", "float32", "none", "auto"),
+            *[(*v, "auto") for v in VARIANTS], *KV_VARIANTS]
+    if only:
+        unknown = set(only) - {r[0] for r in runs[1:]}
+        if unknown:
+            raise SystemExit(f"unknown variants {sorted(unknown)}; known: {[r[0] for r in runs[1:]]}")
+        runs = [runs[0], *(r for r in runs[1:] if r[0] in only)]
+    saved = os.environ.get("FERRY_CPU_FLOAT32_EXACT")
     for label, dtype, quant, kv in runs:
+        # the reference computes float32 with transformers' ops; every other run as served
+        if label == "float32":
+            os.environ["FERRY_CPU_FLOAT32_EXACT"] = "1"
+        elif saved is None:
+            os.environ.pop("FERRY_CPU_FLOAT32_EXACT", None)
+        else:
+            os.environ["FERRY_CPU_FLOAT32_EXACT"] = saved
         llm = LLM(model=model, dtype=dtype, num_threads=threads, quantization=quant, kv_cache_memory=1 << 28,
                   kv_cache_dtype=kv)
         t0 = time.perf_counter()
         outputs[label] = [o.token_ids for o in llm.chat(conversations, params)]
-        print(f"greedy {label}: {len(PROMPTS)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
+        seconds = time.perf_counter() - t0
+        timings[label] = round(seconds, 2)
+        print(f"greedy {label}: {len(PROMPTS)} prompts in {seconds:.1f}s", flush=True)
         del llm
-    report: dict[str, Any] = {"prompts": len(PROMPTS), "max_tokens": max_tokens, "reference": "float32"}
+    report: dict[str, Any] = {"prompts": len(PROMPTS), "max_tokens": max_tokens, "reference": "float32",
+                              "seconds": timings}
     for label, *_ in runs[1:]:
         same, prefix = 0, 0.0
         for a, b in zip(outputs["float32"], outputs[label], strict=True):
@@ -134,14 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-text", default=str(Path(__file__).resolve().parents[2] / "README.md"))
     p.add_argument("--ppl-tokens", type=int, default=1024)
     p.add_argument("--out", default="results/quality-int8.json")
+    p.add_argument("--variants", default="", help="comma-separated variant labels to compare (default: all), "
+                   "e.g. 'float32 (packed)'")
+    p.add_argument("--no-perplexity", action="store_true", help="greedy agreement only")
     args = p.parse_args(argv)
     set_num_threads(args.threads)
     report = {
         "model": args.model, "ppl_text": args.ppl_text,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
-        "greedy": greedy_agreement(args.model, args.max_tokens, args.threads),
-        "perplexity": perplexity(args.model, Path(args.ppl_text).read_text(), args.ppl_tokens),
+        "greedy": greedy_agreement(args.model, args.max_tokens, args.threads,
+                                   [v.strip() for v in args.variants.split(",") if v.strip()] or None),
     }
+    if not args.no_perplexity:
+        report["perplexity"] = perplexity(args.model, Path(args.ppl_text).read_text(), args.ppl_tokens)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report))

@@ -1,26 +1,28 @@
-"""Fused element-wise ops for bfloat16 on the CPU: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Fused element-wise ops on the CPU (bfloat16 and float32): RMSNorm, rotary embedding, SiLU-and-mul.
 
 transformers writes each of these as a chain of small PyTorch ops (RMSNorm: a float32
-copy, pow, mean, add, rsqrt, two multiplies and a bfloat16 copy; RoPE: four multiplies,
+copy, pow, mean, add, rsqrt, two multiplies and a copy back; RoPE: four multiplies,
 two negations, two concatenations and two adds; the MLP's ``act_fn(gate) * up``), each
 a pass over memory. On the common load they took ~2.3 s of a 17.5 s run, more than
 the attention (docs/benchmarks.md, "CPU worker speed on a quiet machine"). The kernels in
-``backends/csrc/fused_ops.cpp`` do each in one pass and round to bfloat16 where PyTorch
-stores a bfloat16 tensor:
+``backends/csrc/fused_ops.cpp`` do each in one pass and, in bfloat16, round to bfloat16
+where PyTorch stores a bfloat16 tensor:
 
-- rotary embedding: bit-identical to ``apply_rotary_pos_emb``;
+- rotary embedding: bit-identical to ``apply_rotary_pos_emb`` in bfloat16;
 - RMSNorm: its float32 mean of squares is summed in another order, so an output can
   differ from transformers' by one bfloat16 step (rarely);
 - SiLU-and-mul: its exponential differs from PyTorch's in the last float32 bits; same.
 
-Each swap is checked at start-up against the code it replaces on a random probe (equal
-for the rotary embedding, within one bfloat16 step for the other two) and skipped when
-the check fails, so a model whose code differs costs speed, never correctness.
+In float32 the rotary embedding is bit-identical too and the other two differ by a few
+float32 ulps. Each swap is checked at start-up against the code it replaces on a
+random probe (equal for the rotary embedding; within one bfloat16 step, or 1e-5 of the
+largest output in float32, for the other two) and skipped when the check fails, so a model
+whose code differs costs speed, never correctness.
 
-Only bfloat16 on the CPU (float32 must stay token-exact with transformers), only on a
-CPU with AVX-512 (the kernels' only path), and only for the model code they were written
-against (Llama, Mistral, Qwen2, Qwen3: the same RMSNorm, MLP and rotary function).
-``FERRY_CPU_FUSED_OPS=0`` turns them off.
+Only on the CPU, in bfloat16 or float32 (not with ``FERRY_CPU_FLOAT32_EXACT=1``), only on
+a CPU with AVX-512 (the kernels' only path), and only for the model code they were
+written against (Llama, Mistral, Qwen2, Qwen3: the same RMSNorm, MLP and rotary
+function). ``FERRY_CPU_FUSED_OPS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .packed_linear import FusedHead, FusedPart
+from .packed_linear import FusedHead, FusedPart, float32_exact
 
 log = logging.getLogger("ferry.worker.fused_ops")
 
@@ -45,7 +47,9 @@ SILU = {"SiLU", "SiLUActivation"}
 
 def fused_ops_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     setting = os.environ.get("FERRY_CPU_FUSED_OPS", "1").strip().lower()
-    return device.type == "cpu" and dtype == torch.bfloat16 and setting not in ("0", "false", "no", "off")
+    if device.type != "cpu" or setting in ("0", "false", "no", "off"):
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and not float32_exact())
 
 
 def kernels() -> Any | None:
@@ -60,14 +64,20 @@ def kernels() -> Any | None:
     return ext if ext.fused_ops_available() else None
 
 
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal up to one bfloat16 step (relative 2^-7) element by element."""
+    """bfloat16: equal up to one bfloat16 step (relative 2^-7) element by element; float32:
+    within 1e-5 of the largest element (another summation order, another exponential)."""
     a32, b32 = a.float(), b.float()
+    if b.dtype == torch.float32:
+        return bool((a32 - b32).abs().max() <= 1e-5 * b32.abs().max())
     return bool(torch.all((a32 - b32).abs() <= b32.abs() * 2.0**-7 + 1e-6))
 
 
 class FusedRMSNorm(nn.Module):
-    """LlamaRMSNorm in one pass; anything but a contiguous bfloat16 CPU input takes the original."""
+    """LlamaRMSNorm in one pass; anything but a contiguous CPU input of the weight's dtype takes the original."""
 
     def __init__(self, original: nn.Module, kernels: Any) -> None:
         super().__init__()
@@ -79,7 +89,7 @@ class FusedRMSNorm(nn.Module):
         self._kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous() and x.shape[-1] % 16 == 0:
+        if x.dtype is self.weight.dtype and x.device.type == "cpu" and x.is_contiguous() and x.shape[-1] % 16 == 0:
             return self._kernels.rms_norm(x, self.weight, self.variance_epsilon)
         return self._original[0](x)
 
@@ -105,11 +115,14 @@ def _rotary(original: Callable[..., Any], kernels: Any) -> Callable[..., Any]:
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              *args: Any, **kwargs: Any) -> Any:
         # ferry's forward: batch 1, [1, heads, tokens, head_dim] views, cos/sin [1, tokens, head_dim]
-        if (not args and kwargs.get("unsqueeze_dim", 1) == 1 and q.dtype is torch.bfloat16 and k.dtype is torch.bfloat16
-                and cos.dtype is torch.bfloat16 and q.device.type == "cpu" and q.dim() == 4 and q.shape[0] == 1
+        # (the patch is per code module, so a float32 model in a process that also runs
+        # FERRY_CPU_FLOAT32_EXACT=1 is checked at each call)
+        if (not args and kwargs.get("unsqueeze_dim", 1) == 1 and q.dtype in FUSED_DTYPES and k.dtype is q.dtype
+                and cos.dtype is q.dtype and sin.dtype is q.dtype and q.device.type == "cpu" and q.dim() == 4 and q.shape[0] == 1
                 and k.dim() == 4 and k.shape[0] == 1 and cos.dim() == 3 and cos.shape[0] == 1
                 and cos.shape[1:] == (q.shape[2], q.shape[3]) and sin.shape == cos.shape
-                and q.shape[3] % 32 == 0 and q.stride(3) == 1 and k.stride(3) == 1):
+                and q.shape[3] % 32 == 0 and q.stride(3) == 1 and k.stride(3) == 1
+                and (q.dtype is torch.bfloat16 or not float32_exact())):
             qo, ko = kernels.rotary(q[0].transpose(0, 1), k[0].transpose(0, 1), cos[0].contiguous(),
                                     sin[0].contiguous())
             return qo.transpose(0, 1).unsqueeze(0), ko.transpose(0, 1).unsqueeze(0)
@@ -120,8 +133,8 @@ def _rotary(original: Callable[..., Any], kernels: Any) -> Callable[..., Any]:
     return apply_rotary_pos_emb
 
 
-def _probe(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+def _probe(*shape: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def _patch_rotary(module_name: str, kernels: Any, head_dim: int) -> bool:
@@ -136,16 +149,17 @@ def _patch_rotary(module_name: str, kernels: Any, head_dim: int) -> bool:
         return False
     fused = _rotary(original, kernels)
     tokens, heads, kv_heads = 7, 4, 2
-    qkv = _probe(tokens, (heads + 2 * kv_heads) * head_dim)  # q and k as views of one product, like the model's
-    q = qkv[:, : heads * head_dim].view(1, tokens, heads, head_dim).transpose(1, 2)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(1, tokens, kv_heads, head_dim).transpose(1, 2)
-    angles = torch.rand(1, tokens, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6.28
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    want, got = original(q, k, cos, sin), fused(q, k, cos, sin)
-    if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
-        log.warning("fused rotary embedding differs from %s's; left as it is", module_name)
-        return False
+    for dtype in FUSED_DTYPES:
+        qkv = _probe(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)  # q, k: views of one product
+        q = qkv[:, : heads * head_dim].view(1, tokens, heads, head_dim).transpose(1, 2)
+        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(1, tokens, kv_heads, head_dim).transpose(1, 2)
+        angles = torch.rand(1, tokens, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6.28
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        want, got = original(q, k, cos, sin), fused(q, k, cos, sin)
+        if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
+            log.warning("fused rotary embedding differs from %s's in %s; left as it is", module_name, dtype)
+            return False
     mod.apply_rotary_pos_emb = fused  # type: ignore[attr-defined]
     return True
 
@@ -165,14 +179,14 @@ def fuse_elementwise(model: nn.Module, dtype: torch.dtype, device: torch.device)
             weight = getattr(child, "weight", None)
             fused: nn.Module | None = None
             if kind in NORMS and isinstance(weight, torch.Tensor) and hasattr(child, "variance_epsilon"):
-                if weight.dtype == torch.bfloat16 and weight.shape[-1] % 16 == 0:
+                if weight.dtype in FUSED_DTYPES and weight.shape[-1] % 16 == 0:
                     fused, key, width = FusedRMSNorm(child, ops), "rms_norm", weight.shape[-1]
             elif kind in MLPS and _fusable_mlp(child):
                 head, down = child.gate_proj, child.down_proj
                 assert isinstance(head, FusedHead) and isinstance(down, nn.Module)
                 fused, key, width = FusedSiluMLP(head.fused, down, head.sizes[0], ops), "silu_mlp", head.in_features or 0
             if fused is not None:
-                x = _probe(5, width) * 3
+                x = _probe(5, width, dtype=dtype) * 3
                 with torch.inference_mode():
                     same = _close(fused(x), child(x))
                 if same:

@@ -21,9 +21,10 @@ and one of 3,072 instead of 2 x 1,536 ran 1.2-1.3x faster at every batch size me
 float32 too: there oneDNN's kernels sum in another order than MKL's (differences ~1e-5
 relative on these shapes), so logits are no longer bit-identical to transformers', but
 greedy outputs stayed token-identical (SmolLM2-135M: 50 of 50 chat prompts x 64 tokens;
-the token-exact tests pass) and the common load ran 1.13-1.18x faster, on AVX2 too
-(docs/benchmarks.md, "float32"). ``FERRY_CPU_PACKED_LINEAR=bf16`` keeps float32 on
-``F.linear``, bit-identical to transformers; ``=0`` turns packing off.
+the token-exact tests pass) and the common load ran 1.2x faster, on AVX2 too
+(docs/benchmarks.md, "float32 as fast as bfloat16's path"). ``FERRY_CPU_FLOAT32_EXACT=1``
+keeps float32 on ``F.linear`` (and on transformers' own element-wise ops and SDPA for
+prompts: ``float32_exact``); ``FERRY_CPU_PACKED_LINEAR=0`` turns packing off.
 """
 
 from __future__ import annotations
@@ -161,13 +162,21 @@ def _order_only(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a - b).abs().max() <= 1e-5 * b.abs().max())
 
 
+def float32_exact() -> bool:
+    """``FERRY_CPU_FLOAT32_EXACT=1``: float32 computed by the ops transformers runs (``F.linear``,
+    its RMSNorm, rotary and SiLU code, SDPA for prompts), so a prompt's logits equal
+    transformers' bit for bit; for A/B runs against transformers. Off by default: packed
+    linears, fused ops and the prompt kernel sum in another order (~1e-5 relative)."""
+    return os.environ.get("FERRY_CPU_FLOAT32_EXACT", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     setting = os.environ.get("FERRY_CPU_PACKED_LINEAR", "1").strip().lower()
     if device.type != "cpu" or setting in ("0", "false", "no", "off"):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.bfloat16 or (setting != "bf16" and dtype == torch.float32)
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and not float32_exact())
 
 
 def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int:

@@ -110,7 +110,7 @@ class ModelRunner:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
         self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.kv_dtype, config.device)
         self.kv_cache_bytes = self.kv.nbytes
-        # CPU, bfloat16: the decoder's linear layers and the LM head multiply against
+        # CPU, bfloat16 and float32: the decoder's linear layers and the LM head multiply against
         # oneDNN-packed weights (packed_linear.py). A head tied to the embedding gets its own
         # packed copy (SmolLM2: 57 MB more) for 1.3x at a decode batch of 64 and 1.8x for one
         # decode (docs/benchmarks.md, "CPU worker speed, third session").
@@ -127,7 +127,8 @@ class ModelRunner:
         if fused:
             log.info("%d q/k/v and gate/up groups fused", fused)
         if self.tp is None:
-            tied = self.lm_head.weight is self.body.get_input_embeddings().weight
+            # (a model already packed by an earlier runner in this process has no .weight here)
+            tied = getattr(self.lm_head, "weight", None) is self.body.get_input_embeddings().weight
             head_packed = pack_linears(self.model, self.dtype, self.device)
             if head_packed:
                 packed += head_packed

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.engine.offline import LLM, GenerationParams
+from services.worker.packed_linear import PackedLinear
 from services.worker.quantize import Int8Linear, packed_weight_bytes
 from tests.conftest import cached_tiny_model
 
@@ -30,7 +31,9 @@ def test_int8_generates_and_agrees_with_float32_on_the_first_tokens() -> None:
         assert len(int8) == 4 * q8.runner.hf_config.num_hidden_layers  # q/k/v and gate/up fused
         assert q8.runner.dtype == getattr(torch, dtype)  # the rest of the model computes in the dtype asked for
         # One byte per weight in every decoder linear (the tiny Llama has no biases), float32 scales beside.
-        linears = [m for m in ref.runner.body.modules() if isinstance(m, torch.nn.Linear)]
+        # (the float32 reference holds its linears packed for oneDNN, q/k/v and gate/up joined)
+        linears = [m for m in ref.runner.body.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
+        assert len(linears) == 4 * q8.runner.hf_config.num_hidden_layers
         assert sum(m.qweight.numel() for m in int8) == sum(m.in_features * m.out_features for m in linears)
         assert packed_weight_bytes(q8.runner.model) > sum(m.qweight.numel() for m in int8)
         got = [o.token_ids for o in q8.generate(PROMPTS, params)]

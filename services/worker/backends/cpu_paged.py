@@ -8,10 +8,10 @@ layout. Here the decodes (the first ``num_decodes`` tokens of the step) go throu
 ``csrc/paged_decode.cpp``, which walks each request's block table and reads each key
 and value once, accumulating in float32. Multi-token chunks that start a prompt
 (no cached prefix) attend to their own keys through ``csrc/prefill_attention.cpp``
-in bfloat16/float16 (a flash-style causal kernel with tiles sized for prompts of a few
-hundred tokens, 1.4-1.7x PyTorch's CPU flash kernel there); in float32, and for chunks
-with a cached prefix (chunked prefill, prefix-cache hits: they gather their blocks
-once per layer), the reference's SDPA path.
+(a flash-style causal kernel with tiles sized for prompts of a few hundred tokens,
+1.4-1.7x PyTorch's CPU flash kernel there in bfloat16); chunks with a cached prefix
+(chunked prefill, prefix-cache hits: they gather their blocks once per layer), and
+float32 prompts under ``FERRY_CPU_FLOAT32_EXACT=1``, take the reference's SDPA path.
 
 The extension is compiled on first use with the machine's own instruction set
 (``-march=native``) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..packed_linear import float32_exact
 from . import PagedBatch, register_backend
 from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata, write_kv
 
@@ -117,6 +118,7 @@ class CpuPagedBackend(ReferenceBackend):
         super().__init__(device)
         self.kernel = load_extension()
         self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
+        self.float32_prefill = not float32_exact()  # FERRY_CPU_FLOAT32_EXACT=1: float32 prompts through SDPA
         self.bf16_dot = bf16_dot_enabled()
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
@@ -159,9 +161,10 @@ class CpuPagedBackend(ReferenceBackend):
             return decoded.to(query.dtype)
         out = query.new_empty(query.shape)
         out[:nd] = decoded
-        if metadata.fresh_spans is not None and query.shape[-1] in (64, 128) and query.dtype != torch.float32:
+        if (metadata.fresh_spans is not None and query.shape[-1] in (64, 128)
+                and (query.dtype != torch.float32 or self.float32_prefill)):
             self.kernel.prefill_attention(query, key, value, out, metadata.fresh_spans, scale, self.bf16_dot)
-        elif metadata.fresh_spans is not None:  # float32 (token-exact with transformers) or another head size
+        elif metadata.fresh_spans is not None:  # another head size, or float32 as transformers computes it
             fresh = [PrefillSpan(int(a), int(b), 0, None, None) for a, b in metadata.fresh_spans.tolist()]
             self._prefills_forward(query, key, value, k_cache, v_cache, fresh, scale, out)
         self._prefills_forward(query, key, value, k_cache, v_cache, metadata.chunks.prefills, scale, out)

@@ -50,6 +50,7 @@ static inline __m256i to_bf16x16(__m512 x) {
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }
+static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 static inline void store16(c10::BFloat16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(x));
 }
