@@ -307,10 +307,11 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
   return {sum, out};
 }
 
-// exp(x) for x <= 0, the polynomial of vec512.h's exp16; below -87 (where 2^n would leave
-// float32's normal range) it returns 0 where exp16 returns a denormal.
+// exp(x) for x <= 0, the polynomial of vec512.h's exp16; x is clamped at -87 (where 2^n
+// would leave float32's normal range), so it never returns less than ~1.6e-38. With
+// -fno-trapping-math (the build's flags) the loops around it vectorize.
 static inline float exp_neg(float x) {
-  x = std::max(x, -87.f);
+  x = x < -87.f ? -87.f : x;
   const float t = x * 1.4426950408889634f;
   const float n = (t + 12582912.f) - 12582912.f;  // round to nearest (|t| < 2^22)
   const float f = (t - n) * 0.6931471805599453f;
@@ -325,7 +326,7 @@ static inline float exp_neg(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return x <= -87.f ? 0.f : p * scale;
+  return p * scale;
 }
 
 torch::Tensor silu_and_mul(torch::Tensor x) {
