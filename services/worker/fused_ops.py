@@ -19,9 +19,9 @@ random probe (equal for the rotary embedding; within one bfloat16 step, or 1e-5 
 largest output in float32, for the other two) and skipped when the check fails, so a model
 whose code differs costs speed, never correctness.
 
-Only on the CPU, in bfloat16 or float32 (not with ``FERRY_CPU_FLOAT32_EXACT=1``), only on
-a CPU with AVX-512 (the kernels' only path), and only for the model code they were
-written against (Llama, Mistral, Qwen2, Qwen3: the same RMSNorm, MLP and rotary
+Only on the CPU, in bfloat16 or float32 (not with ``FERRY_CPU_FLOAT32_EXACT=1``), with
+the compiled kernels (AVX-512 intrinsics, or portable loops elsewhere), and only for the
+model code they were written against (Llama, Mistral, Qwen2, Qwen3: the same RMSNorm, MLP and rotary
 function). ``FERRY_CPU_FUSED_OPS=0`` turns them off.
 """
 
@@ -53,7 +53,7 @@ def fused_ops_enabled(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def kernels() -> Any | None:
-    """The compiled ops, or None (no compiler, no AVX-512)."""
+    """The compiled ops, or None (no compiler)."""
     try:
         from .backends.cpu_paged import load_extension
 

@@ -26,7 +26,7 @@ BF16 = torch.bfloat16
 def _kernels():  # noqa: ANN202
     k = fused_ops.kernels()
     if k is None:
-        pytest.skip("no C++ compiler or no AVX-512: the fused ops are absent and the model stays as it is")
+        pytest.skip("no C++ compiler: the fused ops are absent and the model stays as it is")
     return k
 
 

@@ -2,16 +2,17 @@
 //
 // transformers' RMSNorm, rotary embedding and SiLU-and-multiply are five to ten small
 // PyTorch ops each, every one a pass over memory (in bfloat16 with a round trip through
-// bfloat16 at each). These do each in one pass, sixteen lanes at a time, and in bfloat16
-// round exactly where the PyTorch ops store a bfloat16 tensor, so their outputs equal
-// transformers' bit for bit except where a float32 sum is taken in another order
-// (RMSNorm's mean of squares) or exp differs in its last bits (SiLU): there at most one
-// bfloat16 step apart. In float32 the same two differ by a few float32 ulps.
+// bfloat16 at each). These do each in one pass and in bfloat16 round exactly where the
+// PyTorch ops store a bfloat16 tensor, so their outputs equal transformers' bit for bit
+// except where a float32 sum is taken in another order (RMSNorm's mean of squares) or exp
+// differs in its last bits (SiLU): there at most one bfloat16 step apart. In float32 the
+// same two differ by a few float32 ulps.
 //
 // Inputs: contiguous rows of one dtype, bfloat16 or float32 (rotary: query/key rows with
-// any stride between tokens and heads, the head's own elements contiguous). With AVX-512
-// the loops are written in its intrinsics; without (AVX2), as plain loops the compiler
-// vectorizes (the second half of this file).
+// any stride between tokens and heads, the head's own elements contiguous). The entry
+// points at the end check their inputs and split the rows over threads; the per-row
+// kernels come in two versions: AVX-512 intrinsics, sixteen lanes at a time, and plain
+// loops the compiler vectorizes for CPUs without AVX-512 (AVX2).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,10 +21,10 @@
 #include <cstring>
 #include <type_traits>
 
+using bf16 = c10::BFloat16;
+
 #if defined(__AVX512F__)
 #include "vec512.h"
-
-using bf16 = c10::BFloat16;
 
 // What storing an intermediate tensor of dtype T does to sixteen float lanes. In float32
 // the empty asm keeps the compiler from fusing the product with the add that follows
@@ -38,189 +39,75 @@ static inline __m512 as_stored(__m512 x) {
   }
 }
 
-// Runs fn(T{}) for the tensor's dtype, bfloat16 or float32.
-template <typename Fn>
-static auto dispatch_float(const torch::Tensor& x, Fn&& fn) {
-  switch (x.scalar_type()) {
-    case at::kBFloat16: return fn(bf16{});
-    case at::kFloat: return fn(float{});
-    default: TORCH_CHECK(false, "bfloat16 or float32 inputs");
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), as LlamaRMSNorm computes it in dtype T.
+template <typename T>
+static inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float var = _mm512_reduce_add_ps(acc) / static_cast<float>(n);
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(var + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 y = as_stored<T>(_mm512_mul_ps(load16(x + i), inv));
+    store16(out + i, _mm512_mul_ps(load16(w + i), y));
   }
 }
 
-// Rows per parallel task: enough work per task that a step of a few tokens runs on one thread.
-static int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
-
-// out = weight * T(x * rsqrt(mean(x^2) + eps)), as LlamaRMSNorm computes it in dtype T.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "one dtype");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
-  const int64_t n = x.size(-1);
-  TORCH_CHECK(n % 16 == 0 && weight.numel() == n, "row length a multiple of 16, one weight per element");
-  const int64_t rows = x.numel() / n;
-  auto out = torch::empty_like(x);
-  const float feps = static_cast<float>(eps);
-  dispatch_float(x, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = x.data_ptr<T>();
-    const T* wp = weight.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* xr = xp + r * n;
-        T* orow = op + r * n;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16) {
-          const __m512 v = load16(xr + i);
-          acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        const float var = _mm512_reduce_add_ps(acc) / static_cast<float>(n);
-        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(var + feps));
-        for (int64_t i = 0; i < n; i += 16) {
-          const __m512 y = as_stored<T>(_mm512_mul_ps(load16(xr + i), inv));
-          store16(orow + i, _mm512_mul_ps(load16(wp + i), y));
-        }
-      }
-    });
-  });
-  return out;
-}
-
-// The residual add and the next RMSNorm in one pass: sum = T(x + delta) (what
-// `x + delta` stores), normed = rms_norm(sum). Returns {sum, normed}.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == delta.scalar_type() && x.scalar_type() == weight.scalar_type(), "one dtype");
-  TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && weight.is_contiguous() && x.sizes() == delta.sizes(),
-              "contiguous inputs of one shape");
-  const int64_t n = x.size(-1);
-  TORCH_CHECK(n % 16 == 0 && weight.numel() == n, "row length a multiple of 16, one weight per element");
-  const int64_t rows = x.numel() / n;
-  auto sum = torch::empty_like(x);
-  auto out = torch::empty_like(x);
-  const float feps = static_cast<float>(eps);
-  dispatch_float(x, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = x.data_ptr<T>();
-    const T* dp = delta.data_ptr<T>();
-    const T* wp = weight.data_ptr<T>();
-    T* sp = sum.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        T* srow = sp + r * n;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16) {
-          const __m512 v = as_stored<T>(_mm512_add_ps(load16(xp + r * n + i), load16(dp + r * n + i)));
-          store16(srow + i, v);
-          acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        const float var = _mm512_reduce_add_ps(acc) / static_cast<float>(n);
-        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(var + feps));
-        for (int64_t i = 0; i < n; i += 16) {
-          const __m512 y = as_stored<T>(_mm512_mul_ps(load16(srow + i), inv));
-          store16(op + r * n + i, _mm512_mul_ps(load16(wp + i), y));
-        }
-      }
-    });
-  });
-  return {sum, out};
-}
-
-// x: [..., 2 * d] (gate | up) -> [..., d] = T(T(silu(gate)) * up), as act_fn(gate) * up does.
-torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.is_contiguous(), "contiguous input");
-  const int64_t d = x.size(-1) / 2;
-  TORCH_CHECK(d % 16 == 0 && x.size(-1) == 2 * d, "an even split into multiples of 16");
-  auto sizes = x.sizes().vec();
-  sizes.back() = d;
-  auto out = torch::empty(sizes, x.options());
-  const int64_t rows = x.numel() / (2 * d);
-  dispatch_float(x, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = x.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t r0, int64_t r1) {
-      const __m512 one = _mm512_set1_ps(1.f);
-      const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* g = xp + r * 2 * d;
-        const T* u = g + d;
-        T* orow = op + r * d;
-        for (int64_t i = 0; i < d; i += 16) {
-          const __m512 gv = load16(g + i);
-          // sigmoid(x) = 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below: exp only of -|x|.
-          const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(
-              _mm512_castps_si512(gv), _mm512_andnot_si512(abs_mask, _mm512_set1_epi32(-1))));
-          const __m512 e = exp16(neg_abs);
-          const __m512 denom = _mm512_add_ps(one, e);
-          const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-          const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), denom);
-          const __m512 act = as_stored<T>(_mm512_mul_ps(gv, sig));
-          store16(orow + i, _mm512_mul_ps(act, load16(u + i)));
-        }
-      }
-    });
-  });
-  return out;
-}
-
-// One of query/key: [tokens, heads, head_dim] with any token and head strides, head_dim
-// contiguous; cos/sin [tokens, head_dim] contiguous. Returns a contiguous
-// [tokens, heads, head_dim] = T(T(x * cos) + T(rotate_half(x) * sin)), as
-// transformers' apply_rotary_pos_emb computes it in dtype T.
+// sum = T(x + delta) (what `x + delta` stores), then out = the norm of sum (its row is
+// still in L1 when the norm reads it back).
 template <typename T>
-static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(x.stride(2) == 1 && half % 16 == 0, "head_dim contiguous, a multiple of 32");
-  auto out = torch::empty({tokens, heads, dim}, x.options());
-  const int64_t st = x.stride(0), sh = x.stride(1);
-  const T* xp = x.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* c = cp + t * dim;
-      const T* s = sp + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = xp + t * st + h * sh;
-        T* orow = op + (t * heads + h) * dim;
-        for (int64_t i = 0; i < half; i += 16) {
-          const __m512 lo = load16(xr + i), hi = load16(xr + half + i);
-          // first half: x*cos + (-x_hi)*sin; second half: x*cos + x_lo*sin
-          const __m512 a = as_stored<T>(_mm512_mul_ps(lo, load16(c + i)));
-          const __m512 b = as_stored<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load16(s + i)));
-          store16(orow + i, _mm512_add_ps(a, b));
-          const __m512 a2 = as_stored<T>(_mm512_mul_ps(hi, load16(c + half + i)));
-          const __m512 b2 = as_stored<T>(_mm512_mul_ps(lo, load16(s + half + i)));
-          store16(orow + half + i, _mm512_add_ps(a2, b2));
-        }
-      }
+static inline void add_norm_row(const T* x, const T* delta, const T* w, T* sum, T* out, int64_t n, float eps) {
+  for (int64_t i = 0; i < n; i += 16) store16(sum + i, as_stored<T>(_mm512_add_ps(load16(x + i), load16(delta + i))));
+  norm_row<T>(sum, w, out, n, eps);
+}
+
+// out[i] = T(T(silu(gate[i])) * up[i]), as act_fn(gate) * up does.
+template <typename T>
+static inline void silu_row(const T* g, const T* u, T* out, int64_t d) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 gv = load16(g + i);
+    // sigmoid(x) = 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below: exp only of -|x|.
+    const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(gv), _mm512_andnot_si512(abs_mask, _mm512_set1_epi32(-1))));
+    const __m512 e = exp16(neg_abs);
+    const __m512 denom = _mm512_add_ps(one, e);
+    const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), denom);
+    const __m512 act = as_stored<T>(_mm512_mul_ps(gv, sig));
+    store16(out + i, _mm512_mul_ps(act, load16(u + i)));
+  }
+}
+
+// One token's heads: out = T(T(x * cos) + T(rotate_half(x) * sin)), as transformers'
+// apply_rotary_pos_emb computes it in dtype T.
+template <typename T>
+static inline void rope_token(const T* x, int64_t sh, const T* c, const T* s, T* out, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* xr = x + h * sh;
+    T* orow = out + h * dim;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 lo = load16(xr + i), hi = load16(xr + half + i);
+      // first half: x*cos + (-x_hi)*sin; second half: x*cos + x_lo*sin
+      const __m512 a = as_stored<T>(_mm512_mul_ps(lo, load16(c + i)));
+      const __m512 b = as_stored<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load16(s + i)));
+      store16(orow + i, _mm512_add_ps(a, b));
+      const __m512 a2 = as_stored<T>(_mm512_mul_ps(hi, load16(c + half + i)));
+      const __m512 b2 = as_stored<T>(_mm512_mul_ps(lo, load16(s + half + i)));
+      store16(orow + half + i, _mm512_add_ps(a2, b2));
     }
-  });
-  return out;
+  }
 }
 
-std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
-              sin.scalar_type() == q.scalar_type(), "one dtype for query, key, cos and sin");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "contiguous cos/sin");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2), "[tokens, heads, dim]");
-  TORCH_CHECK(cos.numel() == q.size(0) * q.size(2) && sin.numel() == cos.numel(), "cos/sin: [tokens, head_dim]");
-  return dispatch_float(q, [&](auto tag) -> std::vector<torch::Tensor> {
-    using T = decltype(tag);
-    return {rope_one<T>(q, cos, sin), rope_one<T>(k, cos, sin)};
-  });
-}
-
-bool fused_ops_available() { return true; }
 #else
-// Without AVX-512 (an AVX2 machine, or FERRY_CPU_MARCH=x86-64-v3): the same arithmetic as
-// plain loops over floats, written so the compiler vectorizes them for the CPU it builds
-// for (independent lanes; partial sums in sixteen accumulators; exp as the same
-// polynomial with the rounding and the power of two done in integer arithmetic).
-
-using bf16 = c10::BFloat16;
+// Without AVX-512: the same arithmetic as plain loops over floats (independent lanes;
+// partial sums in sixteen accumulators; exp as the same polynomial with the rounding and
+// the power of two in integer arithmetic). With -fno-trapping-math (the build's flags)
+// the compiler vectorizes them.
 
 template <typename T>
 static inline float stored(float x) {
@@ -231,18 +118,6 @@ static inline float stored(float x) {
   }
 }
 
-template <typename Fn>
-static auto dispatch_float(const torch::Tensor& x, Fn&& fn) {
-  switch (x.scalar_type()) {
-    case at::kBFloat16: return fn(bf16{});
-    case at::kFloat: return fn(float{});
-    default: TORCH_CHECK(false, "bfloat16 or float32 inputs");
-  }
-}
-
-static int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
-
-// The norm of one row: out[i] = w[i] * T(x[i] * inv), inv = 1 / sqrt(mean(x^2) + eps).
 template <typename T>
 static inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   float acc[16] = {};
@@ -260,56 +135,14 @@ static inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps
   }
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "one dtype");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
-  const int64_t n = x.size(-1);
-  TORCH_CHECK(n % 16 == 0 && weight.numel() == n, "row length a multiple of 16, one weight per element");
-  const int64_t rows = x.numel() / n;
-  auto out = torch::empty_like(x);
-  dispatch_float(x, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = x.data_ptr<T>();
-    const T* wp = weight.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) norm_row<T>(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
-    });
-  });
-  return out;
-}
-
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == delta.scalar_type() && x.scalar_type() == weight.scalar_type(), "one dtype");
-  TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && weight.is_contiguous() && x.sizes() == delta.sizes(),
-              "contiguous inputs of one shape");
-  const int64_t n = x.size(-1);
-  TORCH_CHECK(n % 16 == 0 && weight.numel() == n, "row length a multiple of 16, one weight per element");
-  const int64_t rows = x.numel() / n;
-  auto sum = torch::empty_like(x);
-  auto out = torch::empty_like(x);
-  dispatch_float(x, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = x.data_ptr<T>();
-    const T* dp = delta.data_ptr<T>();
-    const T* wp = weight.data_ptr<T>();
-    T* sp = sum.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t i = 0; i < n; ++i) {
-          sp[r * n + i] = static_cast<T>(static_cast<float>(xp[r * n + i]) + static_cast<float>(dp[r * n + i]));
-        }
-        norm_row<T>(sp + r * n, wp, op + r * n, n, static_cast<float>(eps));
-      }
-    });
-  });
-  return {sum, out};
+template <typename T>
+static inline void add_norm_row(const T* x, const T* delta, const T* w, T* sum, T* out, int64_t n, float eps) {
+  for (int64_t i = 0; i < n; ++i) sum[i] = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(delta[i]));
+  norm_row<T>(sum, w, out, n, eps);
 }
 
 // exp(x) for x <= 0, the polynomial of vec512.h's exp16; x is clamped at -87 (where 2^n
-// would leave float32's normal range), so it never returns less than ~1.6e-38. With
-// -fno-trapping-math (the build's flags) the loops around it vectorize.
+// would leave float32's normal range), so it never returns less than ~1.6e-38.
 static inline float exp_neg(float x) {
   x = x < -87.f ? -87.f : x;
   const float t = x * 1.4426950408889634f;
@@ -329,37 +162,19 @@ static inline float exp_neg(float x) {
   return p * scale;
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.is_contiguous(), "contiguous input");
-  const int64_t d = x.size(-1) / 2;
-  TORCH_CHECK(d % 16 == 0 && x.size(-1) == 2 * d, "an even split into multiples of 16");
-  auto sizes = x.sizes().vec();
-  sizes.back() = d;
-  auto out = torch::empty(sizes, x.options());
-  const int64_t rows = x.numel() / (2 * d);
-  dispatch_float(x, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = x.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* g = xp + r * 2 * d;
-        const T* u = g + d;
-        T* orow = op + r * d;
-        for (int64_t i = 0; i < d; ++i) {
-          const float gv = static_cast<float>(g[i]);
-          const float e = exp_neg(-std::fabs(gv));  // sigmoid from e^-|x| alone, as in the AVX-512 path
-          const float sig = (gv < 0.f ? e : 1.f) / (1.f + e);
-          orow[i] = static_cast<T>(stored<T>(gv * sig) * static_cast<float>(u[i]));
-        }
-      }
-    });
-  });
-  return out;
+template <typename T>
+static inline void silu_row(const T* g, const T* u, T* out, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float gv = static_cast<float>(g[i]);
+    const float e = exp_neg(-std::fabs(gv));  // sigmoid from e^-|x| alone, as in the AVX-512 path
+    const float sig = (gv < 0.f ? e : 1.f) / (1.f + e);
+    out[i] = static_cast<T>(stored<T>(gv * sig) * static_cast<float>(u[i]));
+  }
 }
 
-// One token's heads. No multiply fused into the add that follows it (PyTorch rounds each
-// product): a function of its own, since the attribute does not reach into lambdas.
+// No multiply fused into the add that follows it (PyTorch rounds each product): the
+// attribute needs a function of its own (it does not reach into the callers' lambdas),
+// and keeps this one from being inlined into them.
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) static void rope_token(const T* x, int64_t sh, const T* c,
                                                                      const T* s, T* out, int64_t heads,
@@ -379,19 +194,97 @@ __attribute__((optimize("fp-contract=off"))) static void rope_token(const T* x, 
     }
   }
 }
+#endif
 
+// Runs fn(T{}) for the tensor's dtype, bfloat16 or float32.
+template <typename Fn>
+static auto dispatch_float(const torch::Tensor& x, Fn&& fn) {
+  switch (x.scalar_type()) {
+    case at::kBFloat16: return fn(bf16{});
+    case at::kFloat: return fn(float{});
+    default: TORCH_CHECK(false, "bfloat16 or float32 inputs");
+  }
+}
+
+// Rows per parallel task: enough work per task that a step of a few tokens runs on one thread.
+static int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+
+static int64_t check_norm_row(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(n % 16 == 0 && weight.numel() == n, "row length a multiple of 16, one weight per element");
+  return n;
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "one dtype");
+  const int64_t n = check_norm_row(x, weight), rows = x.numel() / n;
+  auto out = torch::empty_like(x);
+  dispatch_float(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T *xp = x.data_ptr<T>(), *wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) norm_row<T>(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// The residual add and the next RMSNorm in one pass. Returns {x + delta, rms_norm(x + delta)}.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == delta.scalar_type() && x.scalar_type() == weight.scalar_type(), "one dtype");
+  TORCH_CHECK(delta.is_contiguous() && x.sizes() == delta.sizes(), "contiguous inputs of one shape");
+  const int64_t n = check_norm_row(x, weight), rows = x.numel() / n;
+  auto sum = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  dispatch_float(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T *xp = x.data_ptr<T>(), *dp = delta.data_ptr<T>(), *wp = weight.data_ptr<T>();
+    T *sp = sum.data_ptr<T>(), *op = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        add_norm_row<T>(xp + r * n, dp + r * n, wp, sp + r * n, op + r * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return {sum, out};
+}
+
+// x: [..., 2 * d] (gate | up) -> [..., d].
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous(), "contiguous input");
+  const int64_t d = x.size(-1) / 2;
+  TORCH_CHECK(d % 16 == 0 && x.size(-1) == 2 * d, "an even split into multiples of 16");
+  auto sizes = x.sizes().vec();
+  sizes.back() = d;
+  auto out = torch::empty(sizes, x.options());
+  const int64_t rows = x.numel() / (2 * d);
+  dispatch_float(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) silu_row<T>(xp + r * 2 * d, xp + r * 2 * d + d, op + r * d, d);
+    });
+  });
+  return out;
+}
+
+// One of query/key: [tokens, heads, head_dim] with any token and head strides, head_dim
+// contiguous; cos/sin [tokens, head_dim] contiguous. Returns it rotated, contiguous.
 template <typename T>
 static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(x.stride(2) == 1 && half % 16 == 0, "head_dim contiguous, a multiple of 32");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(x.stride(2) == 1 && (dim / 2) % 16 == 0, "head_dim contiguous, a multiple of 32");
   auto out = torch::empty({tokens, heads, dim}, x.options());
   const int64_t st = x.stride(0), sh = x.stride(1);
-  const T* xp = x.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
+  const T *xp = x.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) rope_token<T>(xp + t * st, sh, cp + t * dim, sp + t * dim, op + t * heads * dim, heads, dim);
+    for (int64_t t = t0; t < t1; ++t) {
+      rope_token<T>(xp + t * st, sh, cp + t * dim, sp + t * dim, op + t * heads * dim, heads, dim);
+    }
   });
   return out;
 }
@@ -409,4 +302,3 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
 }
 
 bool fused_ops_available() { return true; }
-#endif
