@@ -4,7 +4,7 @@
 
 - Greedy agreement: 50 fixed prompts (chat template applied), ``--max-tokens`` greedy
   tokens each, from ferry's offline engine in float32 with its linears on ``F.linear``
-  (``FERRY_CPU_FLOAT32_EXACT=1``: a prompt's logits bit-identical to transformers', the reference)
+  (``FERRY_CPU_FLOAT32_EXACT=1``: transformers' own float32 ops, the reference)
   and in each variant: float32 as served by default (linears packed and fused for oneDNN,
   summed in another order), bfloat16 (the default on CPUs with native bfloat16, for scale), int8 on
   bfloat16 (what ``--quantization int8`` serves there), int8 on float32, and bfloat16 with a

@@ -163,9 +163,9 @@ def _order_only(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def float32_exact() -> bool:
-    """``FERRY_CPU_FLOAT32_EXACT=1``: float32 computed by the ops transformers runs (``F.linear``,
-    its RMSNorm, rotary and SiLU code, SDPA for prompts), so a prompt's logits equal
-    transformers' bit for bit; for A/B runs against transformers. Off by default: packed
+    """``FERRY_CPU_FLOAT32_EXACT=1``: float32 computed by the ops transformers' forward runs
+    (``F.linear``, its RMSNorm, rotary and SiLU code, SDPA for prompts), as ferry computed
+    float32 before these paths; for A/B runs against transformers. Off by default: packed
     linears, fused ops and the prompt kernel sum in another order (~1e-5 relative)."""
     return os.environ.get("FERRY_CPU_FLOAT32_EXACT", "0").strip().lower() in ("1", "true", "yes", "on")
 

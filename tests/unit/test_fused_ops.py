@@ -133,8 +133,13 @@ def test_fused_ops_on_the_cpu_in_bfloat16_and_float32(monkeypatch: pytest.Monkey
     assert fused_ops_enabled(BF16, CPU) and fused_ops_enabled(torch.float32, CPU)
     assert not fused_ops_enabled(torch.float16, CPU)
     assert not fused_ops_enabled(BF16, torch.device("cuda"))
+    from services.worker.backends.cpu_paged import CpuPagedBackend
+
+    _kernels()
+    assert CpuPagedBackend(CPU).float32_prefill  # float32 prompts through the prompt kernel
     monkeypatch.setenv("FERRY_CPU_FLOAT32_EXACT", "1")  # float32 computed as transformers computes it
     assert fused_ops_enabled(BF16, CPU) and not fused_ops_enabled(torch.float32, CPU)
+    assert not CpuPagedBackend(CPU).float32_prefill  # and its prompts through SDPA
     monkeypatch.delenv("FERRY_CPU_FLOAT32_EXACT")
     monkeypatch.setenv("FERRY_CPU_FUSED_OPS", "0")
     assert not fused_ops_enabled(BF16, CPU)

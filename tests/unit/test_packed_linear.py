@@ -67,7 +67,7 @@ def test_packing_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not packing_enabled(torch.bfloat16, torch.device("cuda"))
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     assert pack_linears(model, torch.float32, CPU) == 2
-    monkeypatch.setenv("FERRY_CPU_FLOAT32_EXACT", "1")  # float32 bit-identical to transformers
+    monkeypatch.setenv("FERRY_CPU_FLOAT32_EXACT", "1")  # float32 linears as F.linear computes them
     assert packing_enabled(torch.bfloat16, CPU) and not packing_enabled(torch.float32, CPU)
     assert pack_linears(nn.Sequential(nn.Linear(8, 8)), torch.float32, CPU) == 0
     monkeypatch.delenv("FERRY_CPU_FLOAT32_EXACT")
