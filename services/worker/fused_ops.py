@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .packed_linear import FusedHead, FusedPart, float32_exact
+from .packed_linear import FusedHead, FusedPart, fast_cpu_dtype
 
 log = logging.getLogger("ferry.worker.fused_ops")
 
@@ -49,7 +49,7 @@ def fused_ops_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     setting = os.environ.get("FERRY_CPU_FUSED_OPS", "1").strip().lower()
     if device.type != "cpu" or setting in ("0", "false", "no", "off"):
         return False
-    return dtype == torch.bfloat16 or (dtype == torch.float32 and not float32_exact())
+    return fast_cpu_dtype(dtype)
 
 
 def kernels() -> Any | None:
@@ -117,12 +117,11 @@ def _rotary(original: Callable[..., Any], kernels: Any) -> Callable[..., Any]:
         # ferry's forward: batch 1, [1, heads, tokens, head_dim] views, cos/sin [1, tokens, head_dim]
         # (the patch is per code module, so a float32 model in a process that also runs
         # FERRY_CPU_FLOAT32_EXACT=1 is checked at each call)
-        if (not args and kwargs.get("unsqueeze_dim", 1) == 1 and q.dtype in FUSED_DTYPES and k.dtype is q.dtype
+        if (not args and kwargs.get("unsqueeze_dim", 1) == 1 and fast_cpu_dtype(q.dtype) and k.dtype is q.dtype
                 and cos.dtype is q.dtype and sin.dtype is q.dtype and q.device.type == "cpu" and q.dim() == 4 and q.shape[0] == 1
                 and k.dim() == 4 and k.shape[0] == 1 and cos.dim() == 3 and cos.shape[0] == 1
                 and cos.shape[1:] == (q.shape[2], q.shape[3]) and sin.shape == cos.shape
-                and q.shape[3] % 32 == 0 and q.stride(3) == 1 and k.stride(3) == 1
-                and (q.dtype is torch.bfloat16 or not float32_exact())):
+                and q.shape[3] % 32 == 0 and q.stride(3) == 1 and k.stride(3) == 1):
             qo, ko = kernels.rotary(q[0].transpose(0, 1), k[0].transpose(0, 1), cos[0].contiguous(),
                                     sin[0].contiguous())
             return qo.transpose(0, 1).unsqueeze(0), ko.transpose(0, 1).unsqueeze(0)

@@ -170,13 +170,19 @@ def float32_exact() -> bool:
     return os.environ.get("FERRY_CPU_FLOAT32_EXACT", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def fast_cpu_dtype(dtype: torch.dtype) -> bool:
+    """The dtypes the CPU fast paths (packing, fused ops, the prompt kernel) compute:
+    bfloat16, and float32 unless ``FERRY_CPU_FLOAT32_EXACT=1``."""
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and not float32_exact())
+
+
 def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     setting = os.environ.get("FERRY_CPU_PACKED_LINEAR", "1").strip().lower()
     if device.type != "cpu" or setting in ("0", "false", "no", "off"):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.bfloat16 or (dtype == torch.float32 and not float32_exact())
+    return fast_cpu_dtype(dtype)
 
 
 def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..packed_linear import float32_exact
+from ..packed_linear import fast_cpu_dtype
 from . import PagedBatch, register_backend
 from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata, write_kv
 
@@ -122,7 +122,7 @@ class CpuPagedBackend(ReferenceBackend):
         super().__init__(device)
         self.kernel = load_extension()
         self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
-        self.float32_prefill = not float32_exact()  # FERRY_CPU_FLOAT32_EXACT=1: float32 prompts through SDPA
+        self.float32_prefill = fast_cpu_dtype(torch.float32)  # FERRY_CPU_FLOAT32_EXACT=1: float32 prompts to SDPA
         self.bf16_dot = bf16_dot_enabled()
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
