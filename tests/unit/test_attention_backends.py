@@ -201,7 +201,7 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: b
     except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
         pytest.skip(f"cpu_paged kernels unavailable: {exc}")
     if not kernel.prefill_attention_available():
-        pytest.skip("built without AVX-512")
+        pytest.skip("built without AVX-512 or AVX2")
     num_heads, kv_heads = heads
     lens = [17, 1, 200, 33, 16, 15, 32]
     total = 2 + sum(lens)

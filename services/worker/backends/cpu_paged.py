@@ -13,6 +13,12 @@ and value once, accumulating in float32. Multi-token chunks that start a prompt
 (chunked prefill, prefix-cache hits: they gather their blocks once per layer), and
 float32 prompts under ``FERRY_CPU_FLOAT32_EXACT=1``, take the reference's SDPA path.
 
+Both kernels come in AVX-512 and AVX2/FMA versions (``-march=native`` picks one;
+``kernel_isa()`` says which was built); a CPU with neither decodes through a plain-loop
+version and sends prompts to SDPA. On the AVX2-only Zen 3 EPYC the AVX2 decode kernel
+(one pass over the context, each cache row read front to back) took a common-load decode
+step's attention from ~100 to ~50 ms in float32.
+
 The extension is compiled on first use with the machine's own instruction set
 (``-march=native``) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), keyed by the source and this CPU's flags so a cache
@@ -41,9 +47,9 @@ from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata, write_k
 log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h
+SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h, vec256.h
 FUNCTIONS = ["paged_decode", "prefill_attention", "prefill_attention_available", "rms_norm", "add_rms_norm",
-             "silu_and_mul", "rotary", "fused_ops_available", "quant_rows", "dequant_rows"]
+             "silu_and_mul", "rotary", "fused_ops_available", "quant_rows", "dequant_rows", "kernel_isa"]
 
 
 def _cpu_flags() -> str:
@@ -78,7 +84,7 @@ def load_extension() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     sources = [p.read_text() for p in SOURCES]
-    header = (CSRC / "vec512.h").read_text()
+    header = "".join((CSRC / h).read_text() for h in ("vec512.h", "vec256.h"))
     march = cpu_march()
     # -fno-trapping-math: no floating-point exception flags to preserve, so the portable
     # loops' selects vectorize; values and rounding are unchanged

@@ -395,6 +395,143 @@ static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const sc
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include "vec256.h"
+// AVX2/FMA path (CPUs without AVX-512): every cache dtype widened to float32 and multiplied
+// with FMAs, eight lanes at a time. One pass over the context, C tokens at a time, with an
+// online softmax (as flash decoding): the chunk's keys scored, then its values accumulated.
+// Each token's row (its KV heads' keys or values, one contiguous stretch) is read front to
+// back once: measured on the common load's decode shape (docs/benchmarks.md), walking the
+// rows head by head with the accumulators in registers took 1.5x as long from memory, though
+// less compute, because the strided walk kept the hardware prefetcher from streaming.
+struct Scratch8 {
+  std::vector<int64_t> off;  // each context token's row in the cache (element offset)
+  std::vector<float> scores, qf, pv;
+};
+
+template <typename scalar_t, typename cache_t, int64_t NV, int64_t G>
+static inline void decode_group8(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int32_t* table,
+                                 int64_t len, scalar_t* out, int64_t kv0, int64_t kv1, int64_t num_kv_heads,
+                                 int64_t block_size, float scale, Scratch8& s) {
+  constexpr int64_t HD = NV * 8;
+  constexpr int64_t C = 32;  // context tokens per chunk
+  const int64_t token_stride = num_kv_heads * HD, nkv = kv1 - kv0, heads = nkv * G;
+  const int64_t padded = (len + C - 1) / C * C;
+  s.off.resize(padded);
+  for (int64_t b = 0, t = 0; t < len; ++b)
+    for (int64_t j = 0; j < block_size && t < len; ++j, ++t)
+      s.off[t] = (static_cast<int64_t>(table[b]) * block_size + j) * token_stride + kv0 * HD;
+  // past the context: the first token's row (a valid address), its scores masked to -inf
+  std::fill(s.off.begin() + len, s.off.end(), s.off[0]);
+  s.scores.resize(heads * C + 2 * heads);
+  s.qf.resize(2 * heads * HD);
+  s.pv.resize(heads * 64);
+  float* sc_ = s.scores.data();  // [heads][C] this chunk's scores, then probabilities
+  float* mrun = sc_ + heads * C;  // running max per head
+  float* lrun = mrun + heads;     // running sum per head
+  float* qf = s.qf.data();        // [heads][HD] the query, pre-scaled
+  float* acc = qf + heads * HD;   // [heads][HD] the unnormalized output
+  float* pv = s.pv.data();        // [heads][8 tokens][8 lanes] partial products
+  const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+  for (int64_t h = 0; h < heads; ++h) {
+    mrun[h] = -INFINITY;
+    lrun[h] = 0.f;
+    for (int64_t v = 0; v < NV; ++v) {
+      _mm256_storeu_ps(qf + h * HD + v * 8, _mm256_mul_ps(load8(q + h * HD + v * 8), sc));
+      _mm256_storeu_ps(acc + h * HD + v * 8, _mm256_setzero_ps());
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t c0 = 0; c0 < len; c0 += C) {
+    const int64_t cn = std::min<int64_t>(C, len - c0);
+    // Q.K^T, eight tokens at a time: one partial-product vector per (head, token), each key
+    // vector loaded once for the G query heads that share it, folded by hsum8
+    for (int64_t t8 = 0; t8 < cn; t8 += 8) {
+      const int64_t cnt = std::min<int64_t>(8, cn - t8);
+      for (int64_t j = 0; j < 8; ++j) {
+        const cache_t* row = kc + s.off[c0 + t8 + j];
+        for (int64_t k = 0; k < nkv; ++k) {
+          __m256 a[G];
+          for (int64_t g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+          for (int64_t v = 0; v < NV; ++v) {
+            const __m256 kv = load8(row + k * HD + v * 8);
+            for (int64_t g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (k * G + g) * HD + v * 8), kv, a[g]);
+          }
+          for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(pv + ((k * G + g) * 8 + j) * 8, a[g]);
+        }
+      }
+      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cnt)), lane));
+      for (int64_t h = 0; h < heads; ++h) {
+        __m256 part[8];
+        for (int64_t j = 0; j < 8; ++j) part[j] = _mm256_loadu_ps(pv + (h * 8 + j) * 8);
+        _mm256_storeu_ps(sc_ + h * C + t8, _mm256_blendv_ps(ninf, hsum8(part), valid));
+      }
+    }
+    // online softmax: the running max moves, the sum and output so far are rescaled
+    const int64_t cp = (cn + 7) / 8 * 8;  // scores in [cn, cp) are -inf
+    for (int64_t h = 0; h < heads; ++h) {
+      float* sh = sc_ + h * C;
+      __m256 mx = ninf;
+      for (int64_t t = 0; t < cp; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sh + t));
+      const float m_new = std::max(mrun[h], hmax8(mx));
+      const float alpha = std::exp(mrun[h] - m_new);  // exp(-inf) = 0 on the first chunk
+      const __m256 m = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t t = 0; t < cp; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), m));
+        _mm256_storeu_ps(sh + t, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      lrun[h] = lrun[h] * alpha + hadd8(sum);
+      mrun[h] = m_new;
+      if (alpha != 1.f) {
+        const __m256 al = _mm256_set1_ps(alpha);
+        for (int64_t v = 0; v < NV; ++v) _mm256_storeu_ps(acc + h * HD + v * 8, _mm256_mul_ps(_mm256_loadu_ps(acc + h * HD + v * 8), al));
+      }
+    }
+    // P.V token by token, each value vector loaded once for the G query heads that share it
+    for (int64_t t = 0; t < cn; ++t) {
+      const cache_t* row = vc + s.off[c0 + t];
+      for (int64_t k = 0; k < nkv; ++k) {
+        __m256 p[G];
+        for (int64_t g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(sc_ + (k * G + g) * C + t);
+        for (int64_t v = 0; v < NV; ++v) {
+          const __m256 vv = load8(row + k * HD + v * 8);
+          for (int64_t g = 0; g < G; ++g) {
+            float* a = acc + (k * G + g) * HD + v * 8;
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(p[g], vv, _mm256_loadu_ps(a)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m256 inv = _mm256_set1_ps(1.f / lrun[h]);
+    for (int64_t v = 0; v < NV; ++v) store8(out + h * HD + v * 8, _mm256_mul_ps(_mm256_loadu_ps(acc + h * HD + v * 8), inv));
+  }
+}
+
+// Few requests: one work item per (request, KV head), so every thread has work; at least
+// four requests per thread: one item per request (`rows`), each token's whole row read at once.
+template <typename scalar_t, typename cache_t, int64_t NV, int64_t G>
+static void decode_kernel_grouped8(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int32_t* bt,
+                                   const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_kv_heads,
+                                   int64_t block_size, int64_t max_blocks, double scale, bool rows) {
+  constexpr int64_t HD = NV * 8;
+  const int64_t per = rows ? 1 : num_kv_heads;
+  at::parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
+    Scratch8 scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / per;
+      const int64_t kv0 = rows ? 0 : item % per, kv1 = rows ? num_kv_heads : kv0 + 1;
+      const int64_t head = (n * num_kv_heads + kv0) * G * HD;
+      decode_group8<scalar_t, cache_t, NV, G>(q + head, kc, vc, bt + n * max_blocks, lens[n], out + head, kv0, kv1,
+                                              num_kv_heads, block_size, static_cast<float>(scale), scratch);
+    }
+  });
+}
+#endif
+
 // bf16_dot: a bfloat16 or float8 cache through AVX512-BF16 dot products where the CPU has them.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale, bool bf16_dot) {
@@ -471,6 +608,31 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
         if (head_dim == 128) return run_vec(decode_kernel_avx512<scalar_t, 8>);
         if (head_dim == 256) return run_vec(decode_kernel_avx512<scalar_t, 16>);
       }
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        const bool rows = num_decodes >= 4 * at::get_num_threads() && head_dim <= 128;
+        const int64_t group = num_heads / num_kv_heads;
+        bool done = false;
+        auto grouped = [&](auto nv, auto g) {
+          constexpr int64_t NV = decltype(nv)::value, G = decltype(g)::value;
+          if (done || head_dim != NV * 8 || group != G) return;
+          done = true;
+          decode_kernel_grouped8<scalar_t, cache_t, NV, G>(
+              query.data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+              out.data_ptr<scalar_t>(), num_decodes, num_kv_heads, block_size, block_table.size(1), scale, rows);
+        };
+        auto groups = [&](auto nv) {
+          grouped(nv, std::integral_constant<int64_t, 1>{});
+          grouped(nv, std::integral_constant<int64_t, 2>{});
+          grouped(nv, std::integral_constant<int64_t, 3>{});
+          grouped(nv, std::integral_constant<int64_t, 4>{});
+          grouped(nv, std::integral_constant<int64_t, 8>{});
+        };
+        groups(std::integral_constant<int64_t, 8>{});   // head size 64
+        groups(std::integral_constant<int64_t, 16>{});  // 128
+        groups(std::integral_constant<int64_t, 32>{});  // 256
+        if (done) return;
       }
 #endif
       if (head_dim == 64) run(decode_kernel<scalar_t, cache_t, 64>);
