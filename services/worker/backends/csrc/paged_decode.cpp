@@ -395,7 +395,7 @@ static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const sc
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #include "vec256.h"
 // AVX2/FMA path (CPUs without AVX-512): every cache dtype widened to float32 and multiplied
 // with FMAs, eight lanes at a time. One pass over the context, C tokens at a time, with an
@@ -609,7 +609,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
         if (head_dim == 256) return run_vec(decode_kernel_avx512<scalar_t, 16>);
       }
       }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
       if constexpr (!std::is_same_v<scalar_t, double>) {
         const bool rows = num_decodes >= 4 * at::get_num_threads() && head_dim <= 128;
         const int64_t group = num_heads / num_kv_heads;

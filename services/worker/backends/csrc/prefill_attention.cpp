@@ -348,7 +348,7 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
   }
 }
 bool prefill_attention_available() { return true; }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "vec256.h"
 
 namespace {
@@ -516,7 +516,7 @@ bool prefill_attention_available() { return false; }
 std::string kernel_isa() {
 #if defined(__AVX512F__)
   return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   return "avx2";
 #else
   return "portable";

@@ -1,7 +1,7 @@
 // AVX2/FMA helpers for ferry's CPU kernels on CPUs without AVX-512 (paged_decode.cpp,
 // prefill_attention.cpp): eight float32 lanes, the same arithmetic as vec512.h's.
 #pragma once
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #include <immintrin.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
