@@ -93,16 +93,20 @@ print(json.dumps({"exact127": _int_mm_exact(127), "wmax": int8_weight_max(),
 
 
 def test_without_vnni_weights_get_seven_bits_and_the_products_stay_right() -> None:
-    """oneDNN's AVX2 int8 kernels (what an AVX2-only CPU runs; ``ONEDNN_MAX_CPU_ISA=AVX2``
-    selects them on any x86 CPU) saturate on full-range weights: the probe sees it and the
-    layer quantizes its weights to 7 bits, so its output stays near the float product."""
+    """oneDNN's AVX2 int8 kernels (``ONEDNN_MAX_CPU_ISA=AVX2`` selects them on any x86 CPU)
+    saturated on full-range weights on the AVX-512 EPYCs where this was found: the probe sees
+    it and the layer quantizes its weights to 7 bits, so its output stays near the float
+    product. On a Zen 3 EPYC (AVX2 only) the same product was exact: there the weights keep
+    8 bits. Either way the probe's answer and the weights agree, and the product is right."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WITHOUT_VNNI], env=env, capture_output=True, text=True,
                          timeout=120, check=True, cwd=Path(__file__).resolve().parents[2])
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["exact127"] is False, "oneDNN's AVX2 int8 kernels were expected to saturate on 8-bit weights"
-    assert got["wmax"] == 63 and got["err"] < 0.03, got
-    assert "7 bits" in out.stderr
+    if got["exact127"]:
+        assert got["wmax"] == 127 and "7 bits" not in out.stderr, (got, out.stderr)
+    else:
+        assert got["wmax"] == 63 and "7 bits" in out.stderr, (got, out.stderr)
+    assert got["err"] < 0.03, got
 
 
 def test_activation_rows_get_their_own_scale() -> None:
