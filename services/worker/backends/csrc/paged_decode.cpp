@@ -489,17 +489,23 @@ static inline void decode_group8(const scalar_t* q, const cache_t* kc, const cac
         for (int64_t v = 0; v < NV; ++v) _mm256_storeu_ps(acc + h * HD + v * 8, _mm256_mul_ps(_mm256_loadu_ps(acc + h * HD + v * 8), al));
       }
     }
-    // P.V token by token, each value vector loaded once for the G query heads that share it
-    for (int64_t t = 0; t < cn; ++t) {
-      const cache_t* row = vc + s.off[c0 + t];
+    // P.V two tokens at a time (each accumulator loaded and stored once per pair), each value
+    // vector loaded once for the G query heads that share it. Tokens in [cn, cp) have p = 0
+    // and valid rows (see off), so pairs never need a remainder.
+    for (int64_t t = 0; t < cp; t += 2) {
+      const cache_t* row0 = vc + s.off[c0 + t];
+      const cache_t* row1 = vc + s.off[c0 + t + 1];
       for (int64_t k = 0; k < nkv; ++k) {
-        __m256 p[G];
-        for (int64_t g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(sc_ + (k * G + g) * C + t);
+        __m256 p0[G], p1[G];
+        for (int64_t g = 0; g < G; ++g) {
+          p0[g] = _mm256_broadcast_ss(sc_ + (k * G + g) * C + t);
+          p1[g] = _mm256_broadcast_ss(sc_ + (k * G + g) * C + t + 1);
+        }
         for (int64_t v = 0; v < NV; ++v) {
-          const __m256 vv = load8(row + k * HD + v * 8);
+          const __m256 v0 = load8(row0 + k * HD + v * 8), v1 = load8(row1 + k * HD + v * 8);
           for (int64_t g = 0; g < G; ++g) {
             float* a = acc + (k * G + g) * HD + v * 8;
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(p[g], vv, _mm256_loadu_ps(a)));
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(p1[g], v1, _mm256_fmadd_ps(p0[g], v0, _mm256_loadu_ps(a))));
           }
         }
       }
