@@ -43,6 +43,25 @@
   TORCH_CHECK(dim == 64 || dim == 128, "head_dim 64 or 128");
 }
 
+// The float32 kernels' work items: (chunk, KV head, bq query tokens), each chunk's query
+// tiles in zigzag order (0, n-1, 1, n-2, ...) so every thread gets as many late (long)
+// tiles as early (short) ones.
+struct PrefillItem { int64_t start, len, kvh, q0; };
+[[maybe_unused]] static std::vector<PrefillItem> prefill_items(const int64_t* spans, int64_t num_spans,
+                                                               int64_t num_kv_heads, int64_t bq) {
+  std::vector<PrefillItem> items;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t start = spans[2 * s], len = spans[2 * s + 1] - spans[2 * s];
+    const int64_t tiles = (len + bq - 1) / bq;
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+      for (int64_t z = 0; z < tiles; ++z) {
+        const int64_t tile = (z % 2 == 0) ? z / 2 : tiles - 1 - z / 2;
+        items.push_back({start, len, kvh, tile * bq});
+      }
+  }
+  return items;
+}
+
 #if defined(__AVX512F__)
 #include "vec512.h"
 
@@ -92,22 +111,12 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
   constexpr int64_t D = NV * 16;
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
-  struct Item { int64_t start, len, kvh, q0; };
-  std::vector<Item> items;
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t start = spans[2 * s], len = spans[2 * s + 1] - spans[2 * s];
-    const int64_t tiles = (len + BQ - 1) / BQ;
-    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
-      for (int64_t z = 0; z < tiles; ++z) {  // zigzag: 0, n-1, 1, n-2, ...
-        const int64_t tile = (z % 2 == 0) ? z / 2 : tiles - 1 - z / 2;
-        items.push_back({start, len, kvh, tile * BQ});
-      }
-  }
+  const std::vector<PrefillItem> items = prefill_items(spans, num_spans, num_kv_heads, BQ);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
     std::vector<float> m(rows_max), l(rows_max);
     for (int64_t it = begin; it < end; ++it) {
-      const Item& item = items[it];
+      const PrefillItem& item = items[it];
       const int64_t nq = std::min(BQ, item.len - item.q0);
       const int64_t R = nq * G, Rp = (R + 3) / 4 * 4;
       // query rows r = i * G + g (token i of the tile, head g of the KV head's group), pre-scaled
@@ -366,24 +375,14 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar
   static_assert(NV % CH == 0, "head size a multiple of 32");
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
-  struct Item { int64_t start, len, kvh, q0; };
-  std::vector<Item> items;
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t start = spans[2 * s], len = spans[2 * s + 1] - spans[2 * s];
-    const int64_t tiles = (len + BQ - 1) / BQ;
-    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
-      for (int64_t z = 0; z < tiles; ++z) {  // zigzag: 0, n-1, 1, n-2, ...
-        const int64_t tile = (z % 2 == 0) ? z / 2 : tiles - 1 - z / 2;
-        items.push_back({start, len, kvh, tile * BQ});
-      }
-  }
+  const std::vector<PrefillItem> items = prefill_items(spans, num_spans, num_kv_heads, BQ);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
     std::vector<float> m(rows_max), l(rows_max);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
     for (int64_t it = begin; it < end; ++it) {
-      const Item& item = items[it];
+      const PrefillItem& item = items[it];
       const int64_t nq = std::min(BQ, item.len - item.q0);
       const int64_t R = nq * G, Rp = (R + 3) / 4 * 4;
       // query rows r = i * G + g (token i of the tile, head g of the KV head's group), pre-scaled
