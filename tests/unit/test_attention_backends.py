@@ -315,3 +315,28 @@ def test_float8_cache_through_the_backend(backend_name: str, dtype: torch.dtype,
     slots = data["batch"].slot_mapping
     got = k_cache.view(torch.uint8).view(-1, heads[1], head_dim)[slots].view(fp8)
     assert torch.equal(got.view(torch.uint8), key.to(fp8).view(torch.uint8))
+
+
+def test_kernels_are_built_for_this_cpus_instruction_set() -> None:
+    """With ``-march=native`` the build takes the widest path this CPU runs: AVX-512 where
+    /proc/cpuinfo lists avx512f, else AVX2 with FMA and F16C, else the plain loops."""
+    from services.worker.backends.cpu_paged import cpu_march, load_extension
+
+    if cpu_march() != "native":
+        pytest.skip("FERRY_CPU_MARCH names another instruction set")
+    try:
+        kernel = load_extension()
+    except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
+        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
+    try:
+        flags = next(line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    if "avx512f" in flags:
+        want = "avx512"
+    elif {"avx2", "fma", "f16c"} <= set(flags):
+        want = "avx2"
+    else:
+        want = "portable"
+    assert kernel.kernel_isa() == want
+    assert bool(kernel.prefill_attention_available()) == (want != "portable")
