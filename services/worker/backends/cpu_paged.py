@@ -42,13 +42,13 @@ import torch
 
 from ..packed_linear import fast_cpu_dtype
 from . import PagedBatch, register_backend
-from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata, write_kv
+from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata
 
 log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h, vec256.h
-FUNCTIONS = ["paged_decode", "prefill_attention", "prefill_attention_available", "rms_norm", "add_rms_norm",
+FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "fused_ops_available", "quant_rows", "dequant_rows", "kernel_isa"]
 
 
@@ -161,7 +161,9 @@ class CpuPagedBackend(ReferenceBackend):
         metadata: CpuPagedMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(key, value, k_cache, v_cache, metadata.chunks.slot_mapping)
+        # one C++ call where the reference's write_kv takes two index_copy_ and their views
+        self.kernel.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
+                             metadata.chunks.slot_mapping)
         nd = metadata.num_decodes
         # a float8 cache is read with the query in the model's dtype
         q = query[:nd].contiguous() if k_cache.dtype == torch.float8_e4m3fn else query[:nd].to(k_cache.dtype).contiguous()

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 #include <c10/util/Float8_e4m3fn.h>
@@ -702,4 +703,47 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
     }
   });
   return out;
+}
+
+// The step's new keys and values stored at their cache slots: key/value [T, KH, D] in the
+// cache's dtype (any token and head strides, D contiguous), caches [blocks, block_size, KH,
+// D] contiguous, slots [T] int64 (block * block_size + offset; negative: a padded row,
+// skipped). One call for both caches and every token, where two index_copy_ calls and
+// their views cost ~80 us per layer in Python and dispatch (docs/benchmarks.md).
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1,
+              "key/value: [tokens, kv_heads, head_dim], head_dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes(), "caches: [blocks, block_size, kv_heads, head_dim], contiguous");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "keys and values in their cache's dtype");
+  const int64_t T = key.size(0), KH = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(key.size(1) == KH && key.size(2) == D && value.size(0) == T && value.size(1) == KH && value.size(2) == D,
+              "key/value shapes match the cache's heads");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == T,
+              "slots: [tokens] int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] < num_slots, "slot ", s[t], " past the cache's ", num_slots);
+  const int64_t ke = k_cache.element_size(), ve = v_cache.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t kt = key.stride(0) * ke, kh = key.stride(1) * ke, vt = value.stride(0) * ve, vh = value.stride(1) * ve;
+  auto put = [D, KH](char* dst, const char* src, int64_t head_stride, int64_t elem) {
+    if (head_stride == D * elem) {
+      std::memcpy(dst, src, KH * D * elem);
+    } else {
+      for (int64_t h = 0; h < KH; ++h) std::memcpy(dst + h * D * elem, src + h * head_stride, D * elem);
+    }
+  };
+  at::parallel_for(0, T, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (s[t] < 0) continue;
+      put(kc + s[t] * KH * D * ke, kp + t * kt, kh, ke);
+      put(vc + s[t] * KH * D * ve, vp + t * vt, vh, ve);
+    }
+  });
 }
