@@ -9,9 +9,12 @@ layout. Here the decodes (the first ``num_decodes`` tokens of the step) go throu
 and value once, accumulating in float32. Multi-token chunks that start a prompt
 (no cached prefix) attend to their own keys through ``csrc/prefill_attention.cpp``
 (a flash-style causal kernel with tiles sized for prompts of a few hundred tokens,
-1.4-1.7x PyTorch's CPU flash kernel there in bfloat16); chunks with a cached prefix
-(chunked prefill, prefix-cache hits: they gather their blocks once per layer), and
-float32 prompts under ``FERRY_CPU_FLOAT32_EXACT=1``, take the reference's SDPA path.
+1.4-1.7x PyTorch's CPU flash kernel there in bfloat16). Chunks with a cached prefix
+(chunked prefill's later chunks, prefix-cache hits) in bfloat16 on a CPU with
+AVX512-BF16 go through the same kernel reading every key from the paged cache
+(``prefill_attention_paged``); elsewhere they, and float32 prompts under
+``FERRY_CPU_FLOAT32_EXACT=1``, take the reference's SDPA path (gathering their blocks
+once per layer). A step's new keys and values reach the cache through one C++ call.
 
 Both kernels come in AVX-512 and AVX2/FMA versions (``-march=native`` picks one;
 ``kernel_isa()`` says which was built); a CPU with neither decodes through a plain-loop
@@ -48,7 +51,8 @@ log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h, vec256.h
-FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "rms_norm", "add_rms_norm",
+FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged",
+             "prefill_paged_available", "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "fused_ops_available", "quant_rows", "dequant_rows", "kernel_isa"]
 
 
@@ -108,6 +112,10 @@ class CpuPagedMetadata:
     block_table: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [num_decodes] int32
     fresh_spans: torch.Tensor | None = None  # [S, 2] int64 (start, end): chunks with no cached prefix
+    # chunks with a cached prefix, for the paged prompt kernel: [P, 3] int64 (start, end, prefix)
+    # and their block-table rows [P, max_blocks] int32 (chunks.prefills has them for SDPA too)
+    prefix_spans: torch.Tensor | None = None
+    prefix_tables: torch.Tensor | None = None
 
 
 def prefill_kernel_enabled() -> bool:
@@ -130,6 +138,9 @@ class CpuPagedBackend(ReferenceBackend):
         self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
         self.float32_prefill = fast_cpu_dtype(torch.float32)  # FERRY_CPU_FLOAT32_EXACT=1: float32 prompts to SDPA
         self.bf16_dot = bf16_dot_enabled()
+        # chunks with a cached prefix through the prompt kernel, reading the paged cache
+        # (bfloat16 with AVX512-BF16 dot products); elsewhere they gather their blocks for SDPA
+        self.paged_prefill = self.prefill_kernel and self.bf16_dot and bool(self.kernel.prefill_paged_available())
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
         chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
@@ -140,6 +151,14 @@ class CpuPagedBackend(ReferenceBackend):
             if spans:
                 fresh = torch.tensor(spans, dtype=torch.int64)
                 chunks.prefills = [p for p in chunks.prefills if p.num_computed > 0]
+        prefix_spans = prefix_tables = None
+        if self.paged_prefill and chunks.prefills:
+            qsl = batch.query_start_loc_cpu
+            rows = [i for i in range(batch.num_decodes, batch.num_reqs) if batch.seq_lens_cpu[i] > qsl[i + 1] - qsl[i]]
+            assert len(rows) == len(chunks.prefills)
+            prefix_spans = torch.tensor([(p.start, p.end, p.num_computed) for p in chunks.prefills], dtype=torch.int64)
+            width = -(-max(batch.seq_lens_cpu[i] for i in rows) // batch.block_size)
+            prefix_tables = batch.block_table[rows, :width].contiguous()
         nd = batch.num_decodes
         max_blocks = -(-max(batch.seq_lens_cpu[:nd], default=1) // batch.block_size)
         return CpuPagedMetadata(
@@ -148,6 +167,8 @@ class CpuPagedBackend(ReferenceBackend):
             block_table=batch.block_table[:nd, :max_blocks].contiguous(),
             seq_lens=batch.seq_lens[:nd].contiguous(),
             fresh_spans=fresh,
+            prefix_spans=prefix_spans,
+            prefix_tables=prefix_tables,
         )
 
     def forward(  # type: ignore[override]
@@ -179,7 +200,12 @@ class CpuPagedBackend(ReferenceBackend):
         elif metadata.fresh_spans is not None:  # another head size, or float32 as transformers computes it
             fresh = [PrefillSpan(int(a), int(b), 0, None, None) for a, b in metadata.fresh_spans.tolist()]
             self._prefills_forward(query, key, value, k_cache, v_cache, fresh, scale, out)
-        self._prefills_forward(query, key, value, k_cache, v_cache, metadata.chunks.prefills, scale, out)
+        if (metadata.prefix_spans is not None and query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+                and query.shape[-1] in (64, 128)):
+            self.kernel.prefill_attention_paged(query, out, k_cache, v_cache, metadata.prefix_spans,
+                                                metadata.prefix_tables, scale)
+        else:
+            self._prefills_forward(query, key, value, k_cache, v_cache, metadata.chunks.prefills, scale, out)
         return out
 
 

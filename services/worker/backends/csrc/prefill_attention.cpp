@@ -208,23 +208,38 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
 // run, instead of once per query tile: keys as [tile][D/2][BK] pairs of dimensions, values
 // as [tile][BK/2][D] pairs of keys. P is rounded to bfloat16 for P.V, as GPU flash kernels
 // do; the softmax's maximum and sum stay float32.
+//
+// Paged (`paged` non-null): chunks with a cached prefix. Span s is (start, end, prefix): its
+// queries [start, end) of the step sit at context positions prefix.. and see keys 0..their
+// own position, all read from the paged cache through the span's block-table row (the step's
+// own keys are already stored there), where the fresh case reads the step's key tensor.
+struct PagedKeys {
+  const c10::BFloat16 *kc, *vc;  // [blocks, block_size, num_kv_heads, D]
+  const int32_t* tables;         // [num_spans, table_stride]
+  int64_t table_stride, block_size;
+};
 template <int64_t NV>
 void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, const c10::BFloat16* k, int64_t k_st,
                          int64_t k_sh, const c10::BFloat16* v, int64_t v_st, int64_t v_sh, c10::BFloat16* out,
-                         const int64_t* spans, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, float scale) {
+                         const int64_t* spans, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, float scale,
+                         const PagedKeys* paged) {
   constexpr int64_t D = NV * 16, DP = D / 2, TILE = DP * BK;  // uint32 per key tile = uint16 pairs per value tile
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
-  struct Panel { int64_t start, len, kvh, off; };  // off: first tile of this (chunk, KV head) in Kp/Vp
+  // off: first tile of this (chunk, KV head) in Kp/Vp; prefix: context positions before the
+  // chunk's first query; table: its block-table row (paged), else null
+  struct Panel { int64_t start, len, kvh, off, prefix; const int32_t* table; };
   std::vector<Panel> panels;
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (panel, tile)
   int64_t num_tiles = 0;
+  const int64_t cols = paged ? 3 : 2;
   for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t start = spans[2 * s], len = spans[2 * s + 1] - spans[2 * s];
+    const int64_t start = spans[cols * s], len = spans[cols * s + 1] - start, prefix = paged ? spans[cols * s + 2] : 0;
+    const int32_t* table = paged ? paged->tables + s * paged->table_stride : nullptr;
     for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-      const int64_t n = (len + BK - 1) / BK;
+      const int64_t n = (prefix + len + BK - 1) / BK;
       for (int64_t t = 0; t < n; ++t) tiles.emplace_back(static_cast<int64_t>(panels.size()), t);
-      panels.push_back({start, len, kvh, num_tiles});
+      panels.push_back({start, len, kvh, num_tiles, prefix, table});
       num_tiles += n;
     }
   }
@@ -234,16 +249,25 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Panel& pn = panels[tiles[i].first];
-      const int64_t t = tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.len - k0);
+      const int64_t t = tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
       uint32_t* kt = Kp.data() + (pn.off + t) * TILE;
       uint16_t* vt = reinterpret_cast<uint16_t*>(Vp.data() + (pn.off + t) * TILE);
       std::fill(kt, kt + TILE, 0u);
       std::fill(vt, vt + 2 * TILE, uint16_t{0});
       for (int64_t c = 0; c < kn; ++c) {
-        const int64_t tok = pn.start + k0 + c;
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(kb + tok * k_st + pn.kvh * k_sh);
+        const uint16_t *krow, *vr;
+        if (pn.table) {  // context position k0 + c through the block table
+          const int64_t pos = k0 + c, bs = paged->block_size;
+          const int64_t at = ((pn.table[pos / bs] * bs + pos % bs) * num_kv_heads + pn.kvh) * D;
+          krow = reinterpret_cast<const uint16_t*>(paged->kc + at);
+          vr = reinterpret_cast<const uint16_t*>(paged->vc + at);
+        } else {
+          const int64_t tok = pn.start + k0 + c;
+          krow = kb + tok * k_st + pn.kvh * k_sh;
+          vr = vb + tok * v_st + pn.kvh * v_sh;
+        }
+        const uint32_t* kr = reinterpret_cast<const uint32_t*>(krow);
         for (int64_t p = 0; p < DP; ++p) kt[p * BK + c] = kr[p];
-        const uint16_t* vr = vb + tok * v_st + pn.kvh * v_sh;
         uint16_t* dst = vt + (c / 2) * 2 * D + (c % 2);
         for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
       }
@@ -270,7 +294,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
       std::fill(O.begin(), O.begin() + Rp * D, 0.f);
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
-      const int64_t kend = q0 + nq;
+      const int64_t kend = pn.prefix + q0 + nq;  // the tile's last query sees every key before it
       const __m512 sv = _mm512_set1_ps(scale);
       for (int64_t k0 = 0, t = 0; k0 < kend; k0 += BK, ++t) {
         const int64_t kn = std::min(BK, kend - k0);
@@ -295,7 +319,8 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
         }
         for (int64_t r = 0; r < R; ++r) {  // causal mask and online softmax; P to bfloat16 pairs
           __m512 p0, p1;
-          softmax_row<NV>(S.data() + r * BK, std::min(kn, q0 + r / G - k0 + 1), m[r], l[r], O.data() + r * D, p0, p1);
+          softmax_row<NV>(S.data() + r * BK, std::min(kn, pn.prefix + q0 + r / G - k0 + 1), m[r], l[r],
+                          O.data() + r * D, p0, p1);
           _mm512_storeu_si512(P.data() + r * (BK / 2), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
         const int64_t pairs = (kn + 1) / 2;  // O += P V: two rows per pass, two keys per instruction
@@ -348,7 +373,7 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
         return kernel(query.data_ptr<c10::BFloat16>(), query.stride(0), query.stride(1), key.data_ptr<c10::BFloat16>(),
                       key.stride(0), key.stride(1), value.data_ptr<c10::BFloat16>(), value.stride(0), value.stride(1),
                       out.data_ptr<c10::BFloat16>(), spans.data_ptr<int64_t>(), spans.size(0), heads, kv_heads,
-                      static_cast<float>(scale));
+                      static_cast<float>(scale), nullptr);
       }
 #endif
       return run(c10::BFloat16{});
@@ -510,6 +535,48 @@ void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tenso
 }
 bool prefill_attention_available() { return false; }
 #endif
+
+// Chunks with a cached prefix (chunked prefill's later chunks, prefix-cache hits), bfloat16
+// query and cache on a CPU with AVX512-BF16: every key and value read from the paged cache
+// (the chunk's own already stored by write_kv). spans [S, 3] int64 (start, end, prefix);
+// block_table [S, max_blocks] int32, span s's row; out as in prefill_attention.
+void prefill_attention_paged(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor spans, torch::Tensor block_table, double scale) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && out.is_contiguous() && out.sizes() == query.sizes(),
+              "query [tokens, heads, dim], head_dim contiguous; out contiguous, its shape");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "caches [blocks, block_size, kv_heads, dim], contiguous");
+  TORCH_CHECK(spans.scalar_type() == torch::kInt64 && spans.is_contiguous() && spans.dim() == 2 && spans.size(1) == 3,
+              "spans: [S, 3] int64 (start, end, prefix)");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous() && block_table.dim() == 2 &&
+              block_table.size(0) == spans.size(0), "block_table: [S, max_blocks] int32");
+  const int64_t heads = query.size(1), kv_heads = k_cache.size(2), dim = query.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim && (dim == 64 || dim == 128), "head shapes");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  for (int64_t s = 0; s < spans.size(0); ++s) {
+    const int64_t start = sp[3 * s], end = sp[3 * s + 1], prefix = sp[3 * s + 2];
+    TORCH_CHECK(0 <= start && start < end && end <= query.size(0) && prefix >= 0 &&
+                (prefix + end - start + bs - 1) / bs <= block_table.size(1), "span ", s, " out of range");
+  }
+  const PagedKeys paged{k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+                        block_table.data_ptr<int32_t>(), block_table.size(1), bs};
+  auto kernel = dim == 64 ? prefill_kernel_bf16<4> : prefill_kernel_bf16<8>;
+  kernel(query.data_ptr<c10::BFloat16>(), query.stride(0), query.stride(1), nullptr, 0, 0, nullptr, 0, 0,
+         out.data_ptr<c10::BFloat16>(), sp, spans.size(0), heads, kv_heads, static_cast<float>(scale), &paged);
+#else
+  TORCH_CHECK(false, "prefill_attention_paged: built without AVX512-BF16");
+#endif
+}
+bool prefill_paged_available() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // Which of the kernels' instruction-set paths this build compiled: "avx512", "avx2" or "portable".
 std::string kernel_isa() {
