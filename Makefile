@@ -31,7 +31,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint browser kernels
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The dashboard's browser test drives Debian's Chromium through Playwright (never
 # `playwright install`); apt-get runs only when the binary is missing.
