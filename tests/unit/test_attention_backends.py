@@ -257,23 +257,26 @@ def test_write_kv_kernel_stores_rows_like_index_copy(dtype: torch.dtype) -> None
         kernel.write_kv(key.to(dtype), value.to(dtype), caches[0], caches[1], slots)
 
 
+@pytest.mark.parametrize("dtype,bf16_dot", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
+                                            (torch.float32, True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(head_dim: int, heads: tuple[int, int],
-                                                                      block_size: int) -> None:
-    """cpu_paged's kernel for chunks with a cached prefix (bfloat16, AVX512-BF16): queries at
-    positions prefix.. attend to every key before them, all read from the paged cache through
-    shuffled block tables. Prefixes and chunk lengths on and off the kernel's 16-query and
-    32-key tiles and the cache's blocks; rows outside the spans are left alone."""
+def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torch.dtype, bf16_dot: bool, head_dim: int,
+                                                                      heads: tuple[int, int], block_size: int) -> None:
+    """cpu_paged's kernels for chunks with a cached prefix: queries at positions prefix.. attend
+    to every key before them, all read from the paged cache through shuffled block tables.
+    Prefixes and chunk lengths on and off the kernels' 16-query and 32/16-key tiles and the
+    cache's blocks; bfloat16 through AVX512-BF16 dot products (where the CPU has them) and
+    float32 FMAs; rows outside the spans are left alone."""
     from services.worker.backends.cpu_paged import load_extension
 
     try:
         kernel = load_extension()
     except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
         pytest.skip(f"cpu_paged kernels unavailable: {exc}")
-    if not kernel.prefill_paged_available():
-        pytest.skip("built without AVX512-BF16")
+    if not kernel.prefill_attention_available():
+        pytest.skip("built without AVX-512 or AVX2")
     num_heads, kv_heads = heads
     chunks = [(1, 5), (200, 17), (16, 32), (31, 33), (64, 1), (3, 100)]  # (prefix, chunk length)
     gen = torch.Generator().manual_seed(head_dim * 10 + num_heads + block_size)
@@ -282,35 +285,36 @@ def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(head_dim: i
     perm = torch.randperm(num_blocks, generator=gen)
     tables = perm[: len(chunks) * width].view(len(chunks), width).to(torch.int32).contiguous()
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)  # garbage where no request wrote
-    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)  # garbage where no request wrote
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
     total = 2 + sum(n for _, n in chunks)
-    q = torch.randn(total, num_heads * 2, head_dim, generator=gen).to(torch.bfloat16)[:, ::2]  # strided heads
+    q = torch.randn(total, num_heads * 2, head_dim, generator=gen).to(dtype)[:, ::2]  # strided heads
     spans, contexts, start = [], [], 2
     for s, (prefix, n) in enumerate(chunks):
         ctx = prefix + n
-        k = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-        v = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        k = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
         for p in range(ctx):  # the prefix and the chunk's own keys, as write_kv left them
             k_cache[tables[s, p // block_size], p % block_size] = k[p]
             v_cache[tables[s, p // block_size], p % block_size] = v[p]
         spans.append((start, start + n, prefix))
         contexts.append((k.float(), v.float()))
         start += n
-    out = torch.full((total, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
+    out = torch.full((total, num_heads, head_dim), 7.0, dtype=dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         kernel.prefill_attention_paged(q, out, k_cache, v_cache, torch.tensor(spans, dtype=torch.int64), tables,
-                                       head_dim**-0.5)
+                                       head_dim**-0.5, bf16_dot)
     finally:
         torch.set_num_threads(threads)
     assert torch.all(out[:2] == 7.0)
     expected = _dense([(n, p + n) for p, n in chunks], q[2:].float(), contexts, head_dim**-0.5)
-    torch.testing.assert_close(out[2:].float(), expected, rtol=2e-2, atol=2e-2)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(out[2:].float(), expected, rtol=tol, atol=tol)
     with pytest.raises(RuntimeError, match="out of range"):  # a table too short for its span
         kernel.prefill_attention_paged(q, out, k_cache, v_cache, torch.tensor([(2, 7, 10 * width * block_size)]),
-                                       tables[:1], head_dim**-0.5)
+                                       tables[:1], head_dim**-0.5, bf16_dot)
 
 
 @pytest.mark.parametrize("dtype,bf16_dot,fp8", [(torch.bfloat16, True, False), (torch.bfloat16, False, False),

@@ -10,11 +10,10 @@ and value once, accumulating in float32. Multi-token chunks that start a prompt
 (no cached prefix) attend to their own keys through ``csrc/prefill_attention.cpp``
 (a flash-style causal kernel with tiles sized for prompts of a few hundred tokens,
 1.4-1.7x PyTorch's CPU flash kernel there in bfloat16). Chunks with a cached prefix
-(chunked prefill's later chunks, prefix-cache hits) in bfloat16 on a CPU with
-AVX512-BF16 go through the same kernel reading every key from the paged cache
-(``prefill_attention_paged``); elsewhere they, and float32 prompts under
-``FERRY_CPU_FLOAT32_EXACT=1``, take the reference's SDPA path (gathering their blocks
-once per layer). A step's new keys and values reach the cache through one C++ call.
+(chunked prefill's later chunks, prefix-cache hits) go through the same kernels reading
+every key and value from the paged cache (``prefill_attention_paged``); a float8 cache,
+head sizes other than 64 and 128, and float32 prompts under ``FERRY_CPU_FLOAT32_EXACT=1``
+take the reference's SDPA path (gathering their blocks once per layer). A step's new keys and values reach the cache through one C++ call.
 
 Both kernels come in AVX-512 and AVX2/FMA versions (``-march=native`` picks one;
 ``kernel_isa()`` says which was built); a CPU with neither decodes through a plain-loop
@@ -52,7 +51,7 @@ log = logging.getLogger("ferry.worker.backends")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h, vec256.h
 FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged",
-             "prefill_paged_available", "rms_norm", "add_rms_norm",
+             "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "fused_ops_available", "quant_rows", "dequant_rows", "kernel_isa"]
 
 
@@ -139,8 +138,7 @@ class CpuPagedBackend(ReferenceBackend):
         self.float32_prefill = fast_cpu_dtype(torch.float32)  # FERRY_CPU_FLOAT32_EXACT=1: float32 prompts to SDPA
         self.bf16_dot = bf16_dot_enabled()
         # chunks with a cached prefix through the prompt kernel, reading the paged cache
-        # (bfloat16 with AVX512-BF16 dot products); elsewhere they gather their blocks for SDPA
-        self.paged_prefill = self.prefill_kernel and self.bf16_dot and bool(self.kernel.prefill_paged_available())
+        self.paged_prefill = self.prefill_kernel
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
         chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
@@ -200,10 +198,10 @@ class CpuPagedBackend(ReferenceBackend):
         elif metadata.fresh_spans is not None:  # another head size, or float32 as transformers computes it
             fresh = [PrefillSpan(int(a), int(b), 0, None, None) for a, b in metadata.fresh_spans.tolist()]
             self._prefills_forward(query, key, value, k_cache, v_cache, fresh, scale, out)
-        if (metadata.prefix_spans is not None and query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
-                and query.shape[-1] in (64, 128)):
+        if (metadata.prefix_spans is not None and k_cache.dtype == query.dtype and query.shape[-1] in (64, 128)
+                and (query.dtype != torch.float32 or self.float32_prefill)):
             self.kernel.prefill_attention_paged(query, out, k_cache, v_cache, metadata.prefix_spans,
-                                                metadata.prefix_tables, scale)
+                                                metadata.prefix_tables, scale, self.bf16_dot)
         else:
             self._prefills_forward(query, key, value, k_cache, v_cache, metadata.chunks.prefills, scale, out)
         return out

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -46,21 +47,45 @@
 // The float32 kernels' work items: (chunk, KV head, bq query tokens), each chunk's query
 // tiles in zigzag order (0, n-1, 1, n-2, ...) so every thread gets as many late (long)
 // tiles as early (short) ones.
-struct PrefillItem { int64_t start, len, kvh, q0; };
-[[maybe_unused]] static std::vector<PrefillItem> prefill_items(const int64_t* spans, int64_t num_spans,
+// spans: rows of `cols` int64, (start, end) or (start, end, prefix); prefix: context positions
+// before the chunk's first query (its keys are in the paged cache).
+struct PrefillItem { int64_t start, len, kvh, q0, prefix, span; };
+[[maybe_unused]] static std::vector<PrefillItem> prefill_items(const int64_t* spans, int64_t num_spans, int64_t cols,
                                                                int64_t num_kv_heads, int64_t bq) {
   std::vector<PrefillItem> items;
   for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t start = spans[2 * s], len = spans[2 * s + 1] - spans[2 * s];
+    const int64_t start = spans[cols * s], len = spans[cols * s + 1] - start, prefix = cols > 2 ? spans[cols * s + 2] : 0;
     const int64_t tiles = (len + bq - 1) / bq;
     for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
       for (int64_t z = 0; z < tiles; ++z) {
         const int64_t tile = (z % 2 == 0) ? z / 2 : tiles - 1 - z / 2;
-        items.push_back({start, len, kvh, tile * bq});
+        items.push_back({start, len, kvh, tile * bq, prefix, s});
       }
   }
   return items;
 }
+
+// Where a chunk's keys and values are. A fresh chunk (no prefix): context position p is row
+// start + p of the step's key/value tensors (any token and head strides). Paged (`tables`
+// set; k/v the caches [blocks, block_size, kv_heads, dim]): a chunk with a cached prefix,
+// every position through its span's block-table row (write_kv has stored the chunk's own).
+template <typename T>
+struct ContextRows {
+  const T *k = nullptr, *v = nullptr;
+  int64_t k_st = 0, k_sh = 0, v_st = 0, v_sh = 0;
+  const int32_t* tables = nullptr;
+  int64_t table_stride = 0, block_size = 1, kv_heads = 1, dim = 0;
+  inline int64_t paged(int64_t span, int64_t kvh, int64_t pos) const {
+    const int32_t* t = tables + span * table_stride;
+    return ((static_cast<int64_t>(t[pos / block_size]) * block_size + pos % block_size) * kv_heads + kvh) * dim;
+  }
+  inline const T* key(int64_t span, int64_t start, int64_t kvh, int64_t pos) const {
+    return tables ? k + paged(span, kvh, pos) : k + (start + pos) * k_st + kvh * k_sh;
+  }
+  inline const T* value(int64_t span, int64_t start, int64_t kvh, int64_t pos) const {
+    return tables ? v + paged(span, kvh, pos) : v + (start + pos) * v_st + kvh * v_sh;
+  }
+};
 
 #if defined(__AVX512F__)
 #include "vec512.h"
@@ -105,13 +130,13 @@ inline void softmax_row(const float* sr, int64_t last, float& m, float& l, float
 }
 
 template <typename scalar_t, int64_t NV>
-void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_t* k, int64_t k_st, int64_t k_sh,
-                    const scalar_t* v, int64_t v_st, int64_t v_sh, scalar_t* out, const int64_t* spans,
-                    int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, float scale) {
+void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
+                    const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
+                    float scale) {
   constexpr int64_t D = NV * 16;
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
-  const std::vector<PrefillItem> items = prefill_items(spans, num_spans, num_kv_heads, BQ);
+  const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
     std::vector<float> m(rows_max), l(rows_max);
@@ -131,14 +156,14 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
       std::fill(O.begin(), O.begin() + Rp * D, 0.f);
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
-      const int64_t kend = item.q0 + nq;  // keys [0, kend) of the chunk; the tile's last token sees them all
+      const int64_t kend = item.prefix + item.q0 + nq;  // keys [0, kend): the tile's last token sees them all
       for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t kn = std::min(BK, kend - k0);
         // key tile transposed to [D][BK], value tile as [BK][D], both float32, zero past kn
         std::fill(Kt.begin(), Kt.end(), 0.f);
         for (int64_t c = 0; c < kn; ++c) {
-          const scalar_t* kr = k + (item.start + k0 + c) * k_st + item.kvh * k_sh;
-          const scalar_t* vr = v + (item.start + k0 + c) * v_st + item.kvh * v_sh;
+          const scalar_t* kr = rows.key(item.span, item.start, item.kvh, k0 + c);
+          const scalar_t* vr = rows.value(item.span, item.start, item.kvh, k0 + c);
           alignas(64) float tmp[D];
           for (int64_t vv = 0; vv < NV; ++vv) {
             _mm512_store_ps(tmp + vv * 16, load16(kr + vv * 16));
@@ -169,7 +194,7 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
         for (int64_t r = 0; r < R; ++r) {
           float* sr = S.data() + r * BK;
           __m512 p0, p1;
-          softmax_row<NV>(sr, std::min(kn, item.q0 + r / G - k0 + 1), m[r], l[r], O.data() + r * D, p0, p1);
+          softmax_row<NV>(sr, std::min(kn, item.prefix + item.q0 + r / G - k0 + 1), m[r], l[r], O.data() + r * D, p0, p1);
           _mm512_storeu_ps(sr, p0);
           _mm512_storeu_ps(sr + 16, p1);
         }
@@ -207,45 +232,31 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_
 // each chunk's keys and values laid out once per (chunk, KV head) before the work items
 // run, instead of once per query tile: keys as [tile][D/2][BK] pairs of dimensions, values
 // as [tile][BK/2][D] pairs of keys. P is rounded to bfloat16 for P.V, as GPU flash kernels
-// do; the softmax's maximum and sum stay float32.
-//
-// Paged (`paged` non-null): chunks with a cached prefix. Span s is (start, end, prefix): its
-// queries [start, end) of the step sit at context positions prefix.. and see keys 0..their
-// own position, all read from the paged cache through the span's block-table row (the step's
-// own keys are already stored there), where the fresh case reads the step's key tensor.
-struct PagedKeys {
-  const c10::BFloat16 *kc, *vc;  // [blocks, block_size, num_kv_heads, D]
-  const int32_t* tables;         // [num_spans, table_stride]
-  int64_t table_stride, block_size;
-};
+// do; the softmax's maximum and sum stay float32. A chunk with a cached prefix (ContextRows
+// paged) lays out its whole context, prefix included, from the cache.
 template <int64_t NV>
-void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, const c10::BFloat16* k, int64_t k_st,
-                         int64_t k_sh, const c10::BFloat16* v, int64_t v_st, int64_t v_sh, c10::BFloat16* out,
-                         const int64_t* spans, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, float scale,
-                         const PagedKeys* paged) {
+void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, const ContextRows<c10::BFloat16>& rows,
+                         c10::BFloat16* out, const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads,
+                         int64_t num_kv_heads, float scale) {
   constexpr int64_t D = NV * 16, DP = D / 2, TILE = DP * BK;  // uint32 per key tile = uint16 pairs per value tile
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   // off: first tile of this (chunk, KV head) in Kp/Vp; prefix: context positions before the
-  // chunk's first query; table: its block-table row (paged), else null
-  struct Panel { int64_t start, len, kvh, off, prefix; const int32_t* table; };
+  // chunk's first query
+  struct Panel { int64_t start, len, kvh, off, prefix, span; };
   std::vector<Panel> panels;
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (panel, tile)
   int64_t num_tiles = 0;
-  const int64_t cols = paged ? 3 : 2;
   for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t start = spans[cols * s], len = spans[cols * s + 1] - start, prefix = paged ? spans[cols * s + 2] : 0;
-    const int32_t* table = paged ? paged->tables + s * paged->table_stride : nullptr;
+    const int64_t start = spans[cols * s], len = spans[cols * s + 1] - start, prefix = cols > 2 ? spans[cols * s + 2] : 0;
     for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
       const int64_t n = (prefix + len + BK - 1) / BK;
       for (int64_t t = 0; t < n; ++t) tiles.emplace_back(static_cast<int64_t>(panels.size()), t);
-      panels.push_back({start, len, kvh, num_tiles, prefix, table});
+      panels.push_back({start, len, kvh, num_tiles, prefix, s});
       num_tiles += n;
     }
   }
   std::vector<uint32_t> Kp(num_tiles * TILE), Vp(num_tiles * TILE);
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Panel& pn = panels[tiles[i].first];
@@ -255,18 +266,8 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
       std::fill(kt, kt + TILE, 0u);
       std::fill(vt, vt + 2 * TILE, uint16_t{0});
       for (int64_t c = 0; c < kn; ++c) {
-        const uint16_t *krow, *vr;
-        if (pn.table) {  // context position k0 + c through the block table
-          const int64_t pos = k0 + c, bs = paged->block_size;
-          const int64_t at = ((pn.table[pos / bs] * bs + pos % bs) * num_kv_heads + pn.kvh) * D;
-          krow = reinterpret_cast<const uint16_t*>(paged->kc + at);
-          vr = reinterpret_cast<const uint16_t*>(paged->vc + at);
-        } else {
-          const int64_t tok = pn.start + k0 + c;
-          krow = kb + tok * k_st + pn.kvh * k_sh;
-          vr = vb + tok * v_st + pn.kvh * v_sh;
-        }
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(krow);
+        const uint32_t* kr = reinterpret_cast<const uint32_t*>(rows.key(pn.span, pn.start, pn.kvh, k0 + c));
+        const uint16_t* vr = reinterpret_cast<const uint16_t*>(rows.value(pn.span, pn.start, pn.kvh, k0 + c));
         for (int64_t p = 0; p < DP; ++p) kt[p * BK + c] = kr[p];
         uint16_t* dst = vt + (c / 2) * 2 * D + (c % 2);
         for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
@@ -351,35 +352,22 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
 #endif
 }  // namespace
 
-// bf16_dot: bfloat16 through AVX512-BF16 dot products where the CPU has them (else, and when
-// false, float32 FMAs).
-void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor out,
-                       torch::Tensor spans, double scale, bool bf16_dot) {
-  check_prefill_args(query, key, value, out, spans);
-  const int64_t heads = query.size(1), kv_heads = key.size(1), dim = query.size(2);
-  auto run = [&](auto tag) {
-    using scalar_t = decltype(tag);
-    auto kernel = dim == 64 ? prefill_kernel<scalar_t, 4> : prefill_kernel<scalar_t, 8>;
-    kernel(query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), key.data_ptr<scalar_t>(), key.stride(0),
-           key.stride(1), value.data_ptr<scalar_t>(), value.stride(0), value.stride(1), out.data_ptr<scalar_t>(),
-           spans.data_ptr<int64_t>(), spans.size(0), heads, kv_heads, static_cast<float>(scale));
-  };
-  switch (query.scalar_type()) {
-    case at::kFloat: return run(float{});
-    case at::kBFloat16:
+// One call of the kernel this build has for scalar_t: bfloat16 through AVX512-BF16 dot
+// products where the CPU has them and bf16_dot (else float32 FMAs).
+template <typename scalar_t>
+void run_prefill(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
+                 const int64_t* spans, int64_t cols, int64_t num_spans, int64_t heads, int64_t kv_heads, int64_t dim,
+                 float scale, bool bf16_dot) {
 #if defined(__AVX512BF16__)
-      if (bf16_dot) {
-        auto kernel = dim == 64 ? prefill_kernel_bf16<4> : prefill_kernel_bf16<8>;
-        return kernel(query.data_ptr<c10::BFloat16>(), query.stride(0), query.stride(1), key.data_ptr<c10::BFloat16>(),
-                      key.stride(0), key.stride(1), value.data_ptr<c10::BFloat16>(), value.stride(0), value.stride(1),
-                      out.data_ptr<c10::BFloat16>(), spans.data_ptr<int64_t>(), spans.size(0), heads, kv_heads,
-                      static_cast<float>(scale), nullptr);
-      }
-#endif
-      return run(c10::BFloat16{});
-    case at::kHalf: return run(c10::Half{});
-    default: TORCH_CHECK(false, "float32, bfloat16 or float16");
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (bf16_dot) {
+      auto kernel = dim == 64 ? prefill_kernel_bf16<4> : prefill_kernel_bf16<8>;
+      return kernel(q, q_st, q_sh, rows, out, spans, cols, num_spans, heads, kv_heads, scale);
+    }
   }
+#endif
+  auto kernel = dim == 64 ? prefill_kernel<scalar_t, 4> : prefill_kernel<scalar_t, 8>;
+  kernel(q, q_st, q_sh, rows, out, spans, cols, num_spans, heads, kv_heads, scale);
 }
 bool prefill_attention_available() { return true; }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -393,14 +381,14 @@ constexpr int64_t BK = 16;  // keys per tile (two vectors of scores)
 // dtype in float32 FMAs. S = Q K^T four rows x 16 keys per pass (8 accumulators); O += P V
 // two rows x 32 output elements per pass (8 accumulators), the value tile from L1.
 template <typename scalar_t, int64_t NV>
-void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar_t* k, int64_t k_st, int64_t k_sh,
-                     const scalar_t* v, int64_t v_st, int64_t v_sh, scalar_t* out, const int64_t* spans,
-                     int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, float scale) {
+void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
+                     const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
+                     float scale) {
   constexpr int64_t D = NV * 8, CH = 4;
   static_assert(NV % CH == 0, "head size a multiple of 32");
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
-  const std::vector<PrefillItem> items = prefill_items(spans, num_spans, num_kv_heads, BQ);
+  const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
     std::vector<float> m(rows_max), l(rows_max);
@@ -421,14 +409,14 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar
       std::fill(O.begin(), O.begin() + Rp * D, 0.f);
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
-      const int64_t kend = item.q0 + nq;  // keys [0, kend) of the chunk
+      const int64_t kend = item.prefix + item.q0 + nq;  // keys [0, kend) of the context
       for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t kn = std::min(BK, kend - k0);
         // key tile transposed to [D][BK], value tile as [BK][D], both float32, zero past kn
         std::fill(Kt.begin(), Kt.end(), 0.f);
         for (int64_t c = 0; c < kn; ++c) {
-          const scalar_t* kr = k + (item.start + k0 + c) * k_st + item.kvh * k_sh;
-          const scalar_t* vr = v + (item.start + k0 + c) * v_st + item.kvh * v_sh;
+          const scalar_t* kr = rows.key(item.span, item.start, item.kvh, k0 + c);
+          const scalar_t* vr = rows.value(item.span, item.start, item.kvh, k0 + c);
           alignas(32) float tmp[D];
           for (int64_t vv = 0; vv < NV; ++vv) {
             _mm256_store_ps(tmp + vv * 8, load8(kr + vv * 8));
@@ -457,7 +445,7 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar
         // causal mask and online softmax, row by row: keys [last, BK) masked
         for (int64_t r = 0; r < R; ++r) {
           float* sr = S.data() + r * BK;
-          const int64_t last = std::min(kn, item.q0 + r / G - k0 + 1);
+          const int64_t last = std::min(kn, item.prefix + item.q0 + r / G - k0 + 1);
           const __m256i lastv = _mm256_set1_epi32(static_cast<int>(last));
           const __m256 v0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lastv, lane));
           const __m256 v1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lastv, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
@@ -510,43 +498,60 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const scalar
 }
 }  // namespace
 
-void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor out,
-                       torch::Tensor spans, double scale, bool /*bf16_dot: no AVX512-BF16 here*/) {
-  check_prefill_args(query, key, value, out, spans);
-  const int64_t heads = query.size(1), kv_heads = key.size(1), dim = query.size(2);
-  auto run = [&](auto tag) {
-    using scalar_t = decltype(tag);
-    auto kernel = dim == 64 ? prefill_kernel8<scalar_t, 8> : prefill_kernel8<scalar_t, 16>;
-    kernel(query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), key.data_ptr<scalar_t>(), key.stride(0),
-           key.stride(1), value.data_ptr<scalar_t>(), value.stride(0), value.stride(1), out.data_ptr<scalar_t>(),
-           spans.data_ptr<int64_t>(), spans.size(0), heads, kv_heads, static_cast<float>(scale));
-  };
-  switch (query.scalar_type()) {
-    case at::kFloat: return run(float{});
-    case at::kBFloat16: return run(c10::BFloat16{});
-    case at::kHalf: return run(c10::Half{});
-    default: TORCH_CHECK(false, "float32, bfloat16 or float16");
-  }
+template <typename scalar_t>
+void run_prefill(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
+                 const int64_t* spans, int64_t cols, int64_t num_spans, int64_t heads, int64_t kv_heads, int64_t dim,
+                 float scale, bool /*bf16_dot: no AVX512-BF16 here*/) {
+  auto kernel = dim == 64 ? prefill_kernel8<scalar_t, 8> : prefill_kernel8<scalar_t, 16>;
+  kernel(q, q_st, q_sh, rows, out, spans, cols, num_spans, heads, kv_heads, scale);
 }
 bool prefill_attention_available() { return true; }
 #else
-void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double, bool) {
+template <typename scalar_t>
+void run_prefill(const scalar_t*, int64_t, int64_t, const ContextRows<scalar_t>&, scalar_t*, const int64_t*, int64_t,
+                 int64_t, int64_t, int64_t, int64_t, float, bool) {
   TORCH_CHECK(false, "built without AVX-512 or AVX2");
 }
 bool prefill_attention_available() { return false; }
 #endif
 
-// Chunks with a cached prefix (chunked prefill's later chunks, prefix-cache hits), bfloat16
-// query and cache on a CPU with AVX512-BF16: every key and value read from the paged cache
-// (the chunk's own already stored by write_kv). spans [S, 3] int64 (start, end, prefix);
-// block_table [S, max_blocks] int32, span s's row; out as in prefill_attention.
+template <typename F>
+static void with_prefill_dtype(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16");
+  }
+}
+
+// Fresh chunks (no cached prefix): keys and values from the step's own tensors.
+void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor out,
+                       torch::Tensor spans, double scale, bool bf16_dot) {
+  check_prefill_args(query, key, value, out, spans);
+  const int64_t heads = query.size(1), kv_heads = key.size(1), dim = query.size(2);
+  with_prefill_dtype(query.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    ContextRows<scalar_t> rows;
+    rows.k = key.data_ptr<scalar_t>();
+    rows.v = value.data_ptr<scalar_t>();
+    rows.k_st = key.stride(0), rows.k_sh = key.stride(1), rows.v_st = value.stride(0), rows.v_sh = value.stride(1);
+    run_prefill<scalar_t>(query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), rows, out.data_ptr<scalar_t>(),
+                          spans.data_ptr<int64_t>(), 2, spans.size(0), heads, kv_heads, dim, static_cast<float>(scale),
+                          bf16_dot);
+  });
+}
+
+// Chunks with a cached prefix (chunked prefill's later chunks, prefix-cache hits): every key
+// and value read from the paged cache (the chunk's own already stored by write_kv). query and
+// out as in prefill_attention; caches [blocks, block_size, kv_heads, dim] in the query's
+// dtype; spans [S, 3] int64 (start, end, prefix); block_table [S, max_blocks] int32, span s's row.
 void prefill_attention_paged(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
-                             torch::Tensor spans, torch::Tensor block_table, double scale) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+                             torch::Tensor spans, torch::Tensor block_table, double scale, bool bf16_dot) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && out.is_contiguous() && out.sizes() == query.sizes(),
               "query [tokens, heads, dim], head_dim contiguous; out contiguous, its shape");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == query.scalar_type() &&
+              v_cache.scalar_type() == query.scalar_type(), "query, out and caches in one dtype");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
               "caches [blocks, block_size, kv_heads, dim], contiguous");
   TORCH_CHECK(spans.scalar_type() == torch::kInt64 && spans.is_contiguous() && spans.dim() == 2 && spans.size(1) == 3,
@@ -561,21 +566,16 @@ void prefill_attention_paged(torch::Tensor query, torch::Tensor out, torch::Tens
     TORCH_CHECK(0 <= start && start < end && end <= query.size(0) && prefix >= 0 &&
                 (prefix + end - start + bs - 1) / bs <= block_table.size(1), "span ", s, " out of range");
   }
-  const PagedKeys paged{k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-                        block_table.data_ptr<int32_t>(), block_table.size(1), bs};
-  auto kernel = dim == 64 ? prefill_kernel_bf16<4> : prefill_kernel_bf16<8>;
-  kernel(query.data_ptr<c10::BFloat16>(), query.stride(0), query.stride(1), nullptr, 0, 0, nullptr, 0, 0,
-         out.data_ptr<c10::BFloat16>(), sp, spans.size(0), heads, kv_heads, static_cast<float>(scale), &paged);
-#else
-  TORCH_CHECK(false, "prefill_attention_paged: built without AVX512-BF16");
-#endif
-}
-bool prefill_paged_available() {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
+  with_prefill_dtype(query.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    ContextRows<scalar_t> rows;
+    rows.k = k_cache.data_ptr<scalar_t>();
+    rows.v = v_cache.data_ptr<scalar_t>();
+    rows.tables = block_table.data_ptr<int32_t>();
+    rows.table_stride = block_table.size(1), rows.block_size = bs, rows.kv_heads = kv_heads, rows.dim = dim;
+    run_prefill<scalar_t>(query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), rows, out.data_ptr<scalar_t>(),
+                          sp, 3, spans.size(0), heads, kv_heads, dim, static_cast<float>(scale), bf16_dot);
+  });
 }
 
 // Which of the kernels' instruction-set paths this build compiled: "avx512", "avx2" or "portable".
