@@ -118,6 +118,8 @@ def run_ferry(work: Workload, dtype: str, args: argparse.Namespace) -> Run:
         outs = llm.generate(work.prompts, params, decode=False)
         return sum(len(o.token_ids) for o in outs)
 
+    if args.attention_share:
+        return _with_attention_share(llm, lambda: timed("ferry", dtype, args.threads, work, settings, go))
     if not args.profile:
         return timed("ferry", dtype, args.threads, work, settings, go)
     from .bench_profile import profile_shares
@@ -132,6 +134,48 @@ def run_ferry(work: Workload, dtype: str, args: argparse.Namespace) -> Run:
     )
     run = holder["run"]
     run.profile = shares
+    return run
+
+
+def _with_attention_share(llm: LLM, fn: Any) -> Run:
+    """Run ``fn`` with the attention backend's ``forward`` and each step's forward timed by
+    wall clock: the share of the forward (pack, decoder body, LM head; ``forward_s`` of the
+    worker's step result, as /metrics reports it) spent inside the attention backend, whose
+    calls are each layer's cache write, decode kernel, prompt kernels and SDPA fallbacks. No
+    profiler: two clock reads per call, so the throughput stays comparable with plain runs."""
+    runner, backend = llm.runner, llm.runner.attn_backend
+    inner_forward, inner_execute = backend.forward, runner.execute
+    acc = {"attention_s": 0.0, "forward_s": 0.0, "calls": 0}
+
+    def forward(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner_forward(*a, **kw)
+        finally:
+            acc["attention_s"] += time.perf_counter() - t0
+            acc["calls"] += 1
+
+    def execute(plan: Any) -> Any:
+        result = inner_execute(plan)
+        acc["forward_s"] += result.forward_s
+        return result
+
+    before = [(obj, name, vars(obj).get(name)) for obj, name in ((backend, "forward"), (runner, "execute"))]
+    backend.forward, runner.execute = forward, execute  # type: ignore[method-assign]
+    try:
+        run = fn()
+    finally:  # as they were: the class's methods, or whatever wrapper was there before
+        for obj, name, old in before:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+    share = acc["attention_s"] / acc["forward_s"] if acc["forward_s"] else 0.0
+    run.profile = {"attention_s": round(acc["attention_s"], 4), "forward_s": round(acc["forward_s"], 4),
+                   "attention_calls": acc["calls"], "attention_share_of_forward": round(share, 4),
+                   "backend": backend.name}
+    print(f"attention ({backend.name}): {acc['attention_s']:.3f} s of the forward's {acc['forward_s']:.3f} s "
+          f"= {100 * share:.1f} % ({acc['calls']} calls)", flush=True)
     return run
 
 
@@ -256,6 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantization", default="none")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (a float8 e4m3 KV cache)")
     p.add_argument("--profile", action="store_true", help="ferry only: time the workload under cProfile, with shares")
+    p.add_argument("--attention-share", action="store_true",
+                   help="ferry only: wall-clock share of the forward spent in the attention backend (no profiler)")
     p.add_argument("--gemm-limit", action="store_true",
                    help="measure matmul rates at the model's shapes and the trace's GEMM limit, per dtype")
     p.add_argument("--static-batch-size", type=int, default=16)

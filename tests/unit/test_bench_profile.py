@@ -29,3 +29,37 @@ def test_profile_finds_the_body_and_its_parts(lean: bool) -> None:
         assert abs(sum(out["shares_of_body"].values()) - 1.0) < 0.01
     else:  # transformers' forward is not what ran: nothing is found, nothing is made up
         assert body == 0.0 and all(v == 0.0 for v in out["shares_of_body"].values())
+
+
+def test_attention_share_times_the_backend_inside_the_forward() -> None:
+    """``bench_offline --attention-share``: one backend call per layer and step, attention a
+    part of the forward (never more), and the wrappers gone afterwards."""
+    from services.engine.bench_offline import _with_attention_share
+
+    torch.set_num_threads(1)
+    llm = LLM(model=str(cached_tiny_model("llama")), dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
+    params = GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(300 + 50 * i, 340 + 50 * i)) for i in range(3)]
+    steps = []
+    inner = llm.runner.execute
+
+    def counting(plan):  # type: ignore[no-untyped-def]
+        steps.append(plan)
+        return inner(plan)
+
+    llm.runner.execute = counting  # type: ignore[method-assign]
+
+    def go():  # type: ignore[no-untyped-def]
+        from services.engine.bench_offline import Run
+
+        produced = sum(len(o.token_ids) for o in llm.generate(prompts, params, decode=False))
+        assert produced == 24
+        return Run("ferry", "float32", 1, 1.0, 1.0, produced, 144, 24.0, 144.0, {})
+
+    run = _with_attention_share(llm, go)
+    share = run.profile
+    layers = llm.runner.model.config.num_hidden_layers
+    assert share is not None and share["attention_calls"] == layers * len(steps) > 0
+    assert 0 < share["attention_s"] < share["forward_s"]
+    assert 0 < share["attention_share_of_forward"] < 1
+    assert "forward" not in vars(llm.runner.attn_backend) and llm.runner.execute is counting
