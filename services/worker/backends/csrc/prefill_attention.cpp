@@ -107,27 +107,31 @@ inline void store_rows(float* o, int64_t nr, const __m512 (&acc)[2][NV]) {
 }
 
 // One score row of a key tile: keys [last, BK) masked (causal edge, tile end), the online
-// softmax's running max m and sum l updated, the row's output accumulator rescaled when the
-// max moved; p0/p1 get the row's probabilities (zero where masked).
+// softmax's running max m and sum updated, the row's output accumulator rescaled when the
+// max moved; p0/p1 get the row's probabilities (zero where masked). The sum stays sixteen
+// partial sums (lsum, folded once at the end by row_sum) and the rescale's exp is skipped
+// when the max did not move: no horizontal add and no libm call per row and tile.
 template <int64_t NV>
-inline void softmax_row(const float* sr, int64_t last, float& m, float& l, float* orow, __m512& p0, __m512& p1) {
+inline void softmax_row(const float* sr, int64_t last, float& m, float* lsum, float* orow, __m512& p0, __m512& p1) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __mmask16 v0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last)));
   const __mmask16 v1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last - 16)));
   const __m512 s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v0, _mm512_loadu_ps(sr));
   const __m512 s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v1, _mm512_loadu_ps(sr + 16));
   const float mx = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-  const float alpha = std::exp(m - mx);  // exp(-inf) = 0 on the first tile
+  const float alpha = mx == m ? 1.f : std::exp(m - mx);  // exp(-inf) = 0 on the first tile
   const __m512 mxv = _mm512_set1_ps(mx);
   p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mxv)));
   p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mxv)));
-  l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  _mm512_storeu_ps(lsum, _mm512_fmadd_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha), _mm512_add_ps(p0, p1)));
   m = mx;
   if (alpha != 1.f) {
     const __m512 av = _mm512_set1_ps(alpha);
     for (int64_t vv = 0; vv < NV; ++vv) _mm512_storeu_ps(orow + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(orow + vv * 16), av));
   }
 }
+
+inline float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
 
 template <typename scalar_t, int64_t NV>
 void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
@@ -139,7 +143,7 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
-    std::vector<float> m(rows_max), l(rows_max);
+    std::vector<float> m(rows_max), l(rows_max * 16);
     for (int64_t it = begin; it < end; ++it) {
       const PrefillItem& item = items[it];
       const int64_t nq = std::min(BQ, item.len - item.q0);
@@ -194,7 +198,8 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
         for (int64_t r = 0; r < R; ++r) {
           float* sr = S.data() + r * BK;
           __m512 p0, p1;
-          softmax_row<NV>(sr, std::min(kn, item.prefix + item.q0 + r / G - k0 + 1), m[r], l[r], O.data() + r * D, p0, p1);
+          softmax_row<NV>(sr, std::min(kn, item.prefix + item.q0 + r / G - k0 + 1), m[r], l.data() + r * 16, O.data() + r * D,
+                          p0, p1);
           _mm512_storeu_ps(sr, p0);
           _mm512_storeu_ps(sr + 16, p1);
         }
@@ -216,7 +221,7 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r / G, g = r % G;
-        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        const __m512 inv = _mm512_set1_ps(1.f / row_sum(l.data() + r * 16));
         alignas(64) float tmp[D];
         for (int64_t vv = 0; vv < NV; ++vv)
           _mm512_store_ps(tmp + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + vv * 16), inv));
@@ -281,7 +286,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
     for (int64_t z = 0; z < n; ++z) items.push_back({pi, ((z % 2 == 0) ? z / 2 : n - 1 - z / 2) * BQ});
   }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> O(rows_max * D), S(rows_max * BK), m(rows_max), l(rows_max);
+    std::vector<float> O(rows_max * D), S(rows_max * BK), m(rows_max), l(rows_max * 16);
     std::vector<uint32_t> P(rows_max * BK / 2);
     std::vector<const uint32_t*> qrow(rows_max);
     const std::vector<uint32_t> zero_row(DP, 0u);
@@ -320,7 +325,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
         }
         for (int64_t r = 0; r < R; ++r) {  // causal mask and online softmax; P to bfloat16 pairs
           __m512 p0, p1;
-          softmax_row<NV>(S.data() + r * BK, std::min(kn, pn.prefix + q0 + r / G - k0 + 1), m[r], l[r],
+          softmax_row<NV>(S.data() + r * BK, std::min(kn, pn.prefix + q0 + r / G - k0 + 1), m[r], l.data() + r * 16,
                           O.data() + r * D, p0, p1);
           _mm512_storeu_si512(P.data() + r * (BK / 2), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
@@ -342,7 +347,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r / G, g = r % G;
-        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        const __m512 inv = _mm512_set1_ps(1.f / row_sum(l.data() + r * 16));
         c10::BFloat16* dst = out + ((pn.start + q0 + i) * num_heads + pn.kvh * G + g) * D;
         for (int64_t vv = 0; vv < NV; ++vv) store16(dst + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + vv * 16), inv));
       }
