@@ -10,6 +10,8 @@ over each request's whole context, computed here without any paging.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -56,6 +58,20 @@ def _setup(case: list[tuple[int, int]], heads: int, kv_heads: int, seed: int, he
                                          torch.device("cpu"))
     return dict(batch=batch, positions=positions, k_cache=k_cache, v_cache=v_cache, contexts=contexts,
                 query=torch.cat(queries), key=torch.cat(keys), value=torch.cat(values), block_ids=block_ids)
+
+
+def _cpu_kernels(prompts: bool = False) -> Any:
+    """cpu_paged's extension, or a skip: no compiler here (the backend is absent too), or, with
+    ``prompts``, a build without the prompt kernels (neither AVX-512 nor AVX2)."""
+    from services.worker.backends.cpu_paged import load_extension
+
+    try:
+        kernel = load_extension()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
+    if prompts and not kernel.prefill_attention_available():
+        pytest.skip("built without AVX-512 or AVX2")
+    return kernel
 
 
 def _dense(case: list[tuple[int, int]], query: torch.Tensor, contexts: list, scale: float) -> torch.Tensor:
@@ -194,14 +210,7 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: b
     """cpu_paged's fresh-chunk kernel: several prompts (tile and key-block edges: 1, 15-17, 32-33, 200
     tokens) packed behind two decode rows, q/k/v as strided views of one product, 2 threads; bfloat16
     through AVX512-BF16 dot products (where the CPU has them) and through float32 FMAs."""
-    from services.worker.backends.cpu_paged import load_extension
-
-    try:
-        kernel = load_extension()
-    except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
-        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
-    if not kernel.prefill_attention_available():
-        pytest.skip("built without AVX-512 or AVX2")
+    kernel = _cpu_kernels(prompts=True)
     num_heads, kv_heads = heads
     lens = [17, 1, 200, 33, 16, 15, 32]
     total = 2 + sum(lens)
@@ -231,13 +240,9 @@ def test_write_kv_kernel_stores_rows_like_index_copy(dtype: torch.dtype) -> None
     """cpu_paged's write_kv: keys/values as strided views of one projection (and values with
     heads apart), shuffled slots; a negative slot (a padded row) is skipped, a slot past the
     cache refused; the bytes equal the reference's index_copy_."""
-    from services.worker.backends.cpu_paged import load_extension
     from services.worker.backends.reference import write_kv
 
-    try:
-        kernel = load_extension()
-    except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
-        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
+    kernel = _cpu_kernels()
     gen = torch.Generator().manual_seed(3)
     tokens, kv_heads, head_dim = 37, 3, 64
     qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=gen) * 4
@@ -269,14 +274,7 @@ def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torc
     Prefixes and chunk lengths on and off the kernels' 16-query and 32/16-key tiles and the
     cache's blocks; bfloat16 through AVX512-BF16 dot products (where the CPU has them) and
     float32 FMAs; rows outside the spans are left alone."""
-    from services.worker.backends.cpu_paged import load_extension
-
-    try:
-        kernel = load_extension()
-    except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
-        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
-    if not kernel.prefill_attention_available():
-        pytest.skip("built without AVX-512 or AVX2")
+    kernel = _cpu_kernels(prompts=True)
     num_heads, kv_heads = heads
     chunks = [(1, 5), (200, 17), (16, 32), (31, 33), (64, 1), (3, 100)]  # (prefix, chunk length)
     gen = torch.Generator().manual_seed(head_dim * 10 + num_heads + block_size)
@@ -333,12 +331,7 @@ def test_decode_kernel_matches_attention(dtype: torch.dtype, bf16_dot: bool, fp8
     decodes on 2 threads) and per KV head (3); bfloat16 through AVX512-BF16 dot products (where
     the CPU has them) and through float32 FMAs; a float8 (e4m3) cache read with a bfloat16 or
     float32 query, against attention over the float8 values."""
-    from services.worker.backends.cpu_paged import load_extension
-
-    try:
-        kernel = load_extension()
-    except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
-        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
+    kernel = _cpu_kernels()
     num_heads, kv_heads = heads
     lens = [1, 200, 33, 16, 17, 15, 32, 31, 2, 5, 64, 100][:num_decodes]
     gen = torch.Generator().manual_seed(head_dim + num_heads + block_size)
@@ -411,14 +404,11 @@ def test_float8_cache_through_the_backend(backend_name: str, dtype: torch.dtype,
 def test_kernels_are_built_for_this_cpus_instruction_set() -> None:
     """With ``-march=native`` the build takes the widest path this CPU runs: AVX-512 where
     /proc/cpuinfo lists avx512f, else AVX2 with FMA and F16C, else the plain loops."""
-    from services.worker.backends.cpu_paged import cpu_march, load_extension
+    from services.worker.backends.cpu_paged import cpu_march
 
     if cpu_march() != "native":
         pytest.skip("FERRY_CPU_MARCH names another instruction set")
-    try:
-        kernel = load_extension()
-    except Exception as exc:  # noqa: BLE001 - no compiler here: the backend is absent too
-        pytest.skip(f"cpu_paged kernels unavailable: {exc}")
+    kernel = _cpu_kernels()
     try:
         flags = next(line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")).split()
     except (OSError, StopIteration):

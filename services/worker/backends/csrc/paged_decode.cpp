@@ -125,6 +125,27 @@ struct NextRows {
   }
 };
 
+// A thread's grouped-decode work items [begin, end) in order: item = request n's KV heads
+// from kv0 (all of them when `rows`, else one: `per` items per request). Each item's row
+// offsets (padded to 32) are computed one item ahead into s.next, so `run(n, kv0, next_len)`
+// finds this item's rows in s.off and can request the next item's (s.next) while it works.
+template <typename Scratch, typename F>
+static inline void for_items_with_next(Scratch& s, int64_t begin, int64_t end, const int32_t* bt, const int32_t* lens,
+                                       int64_t max_blocks, int64_t block_size, int64_t token_stride, int64_t head_dim,
+                                       int64_t per, bool rows, F&& run) {
+  auto offsets = [&](std::vector<int64_t>& off, int64_t item) {
+    const int64_t n = item / per, kv0 = rows ? 0 : item % per;
+    row_offsets(off, bt + n * max_blocks, lens[n], (lens[n] + 31) / 32 * 32, block_size, token_stride, kv0 * head_dim);
+  };
+  if (begin < end) offsets(s.next, begin);
+  for (int64_t item = begin; item < end; ++item) {
+    std::swap(s.off, s.next);  // this item's rows were the next item's of the last one
+    const bool more = item + 1 < end;
+    if (more) offsets(s.next, item + 1);
+    run(item / per, rows ? 0 : item % per, more ? lens[(item + 1) / per] : 0);
+  }
+}
+
 #if defined(__AVX512F__)
 #include "vec512.h"
 // AVX-512 path: head_dim a multiple of 16, keys/values widened to float32 sixteen at a time,
@@ -397,22 +418,13 @@ static void decode_kernel_grouped(const scalar_t* q, const cache_t* kc, const ca
   const int64_t per = rows ? 1 : num_kv_heads;  // work items per request
   at::parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
     HeadScratch s;
-    const int64_t nkv = rows ? num_kv_heads : 1, token_stride = num_kv_heads * HD;
-    auto offsets = [&](std::vector<int64_t>& off, int64_t item) {
-      const int64_t n = item / per, kv0 = rows ? 0 : item % per;
-      row_offsets(off, bt + n * max_blocks, lens[n], (lens[n] + 31) / 32 * 32, block_size, token_stride, kv0 * HD);
-    };
-    if (begin < end) offsets(s.next, begin);
-    for (int64_t item = begin; item < end; ++item) {
-      std::swap(s.off, s.next);  // this item's rows were the next item's of the last one
-      const bool more = item + 1 < end;
-      if (more) offsets(s.next, item + 1);
-      const int64_t n = item / per, kv0 = rows ? 0 : item % per;
+    const int64_t nkv = rows ? num_kv_heads : 1;
+    for_items_with_next(s, begin, end, bt, lens, max_blocks, block_size, num_kv_heads * HD, HD, per, rows,
+                        [&](int64_t n, int64_t kv0, int64_t next_len) {
       const int64_t head = (n * num_kv_heads + kv0) * G * HD;  // the range's first query head
       decode_group<scalar_t, cache_t, NV, G, BF16DOT>(q + head, kc, vc, s.off.data(), lens[n], out + head, nkv,
-                                                      static_cast<float>(scale), s, s.next.data(),
-                                                      more ? lens[(item + 1) / per] : 0);
-    }
+                                                      static_cast<float>(scale), s, s.next.data(), next_len);
+    });
   });
 }
 
@@ -569,22 +581,13 @@ static void decode_kernel_grouped8(const scalar_t* q, const cache_t* kc, const c
   const int64_t per = rows ? 1 : num_kv_heads;
   at::parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
     Scratch8 s;
-    const int64_t nkv = rows ? num_kv_heads : 1, token_stride = num_kv_heads * HD;
-    auto offsets = [&](std::vector<int64_t>& off, int64_t item) {
-      const int64_t n = item / per, kv0 = rows ? 0 : item % per;
-      row_offsets(off, bt + n * max_blocks, lens[n], (lens[n] + 31) / 32 * 32, block_size, token_stride, kv0 * HD);
-    };
-    if (begin < end) offsets(s.next, begin);
-    for (int64_t item = begin; item < end; ++item) {
-      std::swap(s.off, s.next);  // this item's rows were the next item's of the last one
-      const bool more = item + 1 < end;
-      if (more) offsets(s.next, item + 1);
-      const int64_t n = item / per, kv0 = rows ? 0 : item % per;
+    const int64_t nkv = rows ? num_kv_heads : 1;
+    for_items_with_next(s, begin, end, bt, lens, max_blocks, block_size, num_kv_heads * HD, HD, per, rows,
+                        [&](int64_t n, int64_t kv0, int64_t next_len) {
       const int64_t head = (n * num_kv_heads + kv0) * G * HD;
       decode_group8<scalar_t, cache_t, NV, G>(q + head, kc, vc, s.off.data(), lens[n], out + head, nkv,
-                                              static_cast<float>(scale), s, s.next.data(),
-                                              more ? lens[(item + 1) / per] : 0);
-    }
+                                              static_cast<float>(scale), s, s.next.data(), next_len);
+    });
   });
 }
 #endif
