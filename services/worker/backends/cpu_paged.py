@@ -13,7 +13,8 @@ and value once, accumulating in float32. Multi-token chunks that start a prompt
 (chunked prefill's later chunks, prefix-cache hits) go through the same kernels reading
 every key and value from the paged cache (``prefill_attention_paged``); a float8 cache,
 head sizes other than 64 and 128, and float32 prompts under ``FERRY_CPU_FLOAT32_EXACT=1``
-take the reference's SDPA path (gathering their blocks once per layer). A step's new keys and values reach the cache through one C++ call.
+take the reference's SDPA path (gathering their blocks once per layer). A step's new
+keys and values reach the cache through one C++ call.
 
 Both kernels come in AVX-512 and AVX2/FMA versions (``-march=native`` picks one;
 ``kernel_isa()`` says which was built); a CPU with neither decodes through a plain-loop
@@ -137,8 +138,6 @@ class CpuPagedBackend(ReferenceBackend):
         self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
         self.float32_prefill = fast_cpu_dtype(torch.float32)  # FERRY_CPU_FLOAT32_EXACT=1: float32 prompts to SDPA
         self.bf16_dot = bf16_dot_enabled()
-        # chunks with a cached prefix through the prompt kernel, reading the paged cache
-        self.paged_prefill = self.prefill_kernel
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
         chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
@@ -150,7 +149,7 @@ class CpuPagedBackend(ReferenceBackend):
                 fresh = torch.tensor(spans, dtype=torch.int64)
                 chunks.prefills = [p for p in chunks.prefills if p.num_computed > 0]
         prefix_spans = prefix_tables = None
-        if self.paged_prefill and chunks.prefills:
+        if self.prefill_kernel and chunks.prefills:  # chunks with a cached prefix: the paged prompt kernel
             qsl = batch.query_start_loc_cpu
             rows = [i for i in range(batch.num_decodes, batch.num_reqs) if batch.seq_lens_cpu[i] > qsl[i + 1] - qsl[i]]
             assert len(rows) == len(chunks.prefills)
