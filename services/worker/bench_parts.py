@@ -7,7 +7,8 @@
   blocks): attention per backend, the seven linear layers at M=64, and the eager
   norm/RoPE/SiLU/residual work; and attention's share of the layer per backend.
 - ``sampler``: 8 rows x 49,152 logits through ``Sampler`` for greedy, seeded
-  temperature, top-k+top-p and top-p rows.
+  temperature, top-k+top-p and top-p rows; and a decode step's greedy batch (64 rows of
+  bfloat16 logits) through the float32 path and through the CPU kernels' ``argmax_rows``.
 
 Each figure is the minimum over 5 rounds of 10 calls. Prints lines, writes JSON.
 """
@@ -107,7 +108,20 @@ def sampler() -> dict[str, float]:
     def draw(p: SamplingParams) -> Callable[[], Any]:
         return lambda: s(logits, [p] * 8, [[1, 2, 3]] * 8, [{}] * 8, [5] * 8)
 
-    return _best_ms({name: draw(p) for name, p in cases.items()})
+    fns = {name: draw(p) for name, p in cases.items()}
+    step = (torch.randn(64, 49152, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
+    greedy = [SamplingParams(temperature=0.0)] * 64
+
+    def greedy_step(smp: Sampler) -> Callable[[], Any]:
+        return lambda: smp(step, greedy, [[1, 2, 3]] * 64, [{}] * 64, [5] * 64)
+
+    fns["greedy, 64 bf16 rows, float32 path"] = greedy_step(s)
+    from .fused_ops import kernels
+
+    ops = kernels()
+    if ops is not None:
+        fns["greedy, 64 bf16 rows, argmax_rows"] = greedy_step(Sampler(torch.device("cpu"), argmax_rows=ops.argmax_rows))
+    return _best_ms(fns)
 
 
 def main(argv: list[str] | None = None) -> int:

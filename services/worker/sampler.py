@@ -22,11 +22,17 @@ the same output position). Unseeded rows share one generator.
 
 Logprobs are those of the model's raw distribution (log-softmax of the logits
 before penalties and temperature), like vLLM's default.
+
+An all-greedy batch with nothing to apply (no penalties, constraints or logprobs; the
+common load's every step) skips the float32 copy and takes each row's argmax straight
+from the LM head's logits through ``argmax_rows`` when the worker has one (the CPU
+kernels' ``argmax_rows``: torch.argmax's answer, ties and NaNs included, without its
+scalar reduction: docs/benchmarks.md, "Greedy sampling's argmax").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,11 +50,29 @@ def seeded_generator(seed: int, num_output_tokens: int, device: torch.device) ->
     return gen
 
 
+ARGMAX_DTYPES = (torch.bfloat16, torch.float32)
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # [rows, vocab] bfloat16/float32 CPU logits -> int64 [rows], as torch.argmax(dim=-1)
+        self.argmax_rows = argmax_rows
+
+    def _plain_greedy(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                      constraints: Sequence[RowConstraint | None] | None) -> bool:
+        """Every row greedy and nothing to apply before the argmax, and a kernel for these logits."""
+        return (
+            self.argmax_rows is not None and logits.device.type == "cpu" and logits.dtype in ARGMAX_DTYPES
+            and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0
+            and (constraints is None or all(c is None for c in constraints))
+            and all(p.temperature <= 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
+                    and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params)
+        )
 
     def __call__(
         self,
@@ -59,6 +83,9 @@ class Sampler:
         num_output_tokens: Sequence[int],
         constraints: Sequence[RowConstraint | None] | None = None,  # per row; None: unconstrained batch
     ) -> tuple[list[int], list[SampleLogprobs | None]]:
+        if self._plain_greedy(logits, params, constraints):
+            assert self.argmax_rows is not None
+            return self.argmax_rows(logits).tolist(), [None] * len(params)
         logits = logits.float()
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

@@ -208,3 +208,42 @@ def test_add_rms_norm_is_the_add_then_the_norm(rows: int, dtype: torch.dtype) ->
     assert torch.equal(x, (torch.randn(1, rows, 576, generator=_gen(rows)) * 3).to(dtype))  # inputs untouched
     with pytest.raises(RuntimeError, match="one dtype"):
         k.add_rms_norm(x, delta.to(torch.float32 if dtype == BF16 else BF16), weight, 1e-5)
+
+
+def _argmax_cases(width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows that probe argmax's rules: ties (first wins), NaN (first NaN wins), -inf rows,
+    signed zeros, +inf, the maximum in the last (vector tail) element, and many equal values."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.randn(10, width, generator=_gen(width)) * 4
+    last = width - 1
+    x[1, last // 3] = x[1, last] = 100.0                      # a tie: the earlier index
+    x[2, last // 2] = 100.0
+    x[2, last] = nan                                         # a NaN after the maximum
+    x[3, last] = nan
+    x[3, last // 4] = nan                                    # two NaNs: the first
+    x[4] = -inf                                              # nothing but -inf: index 0
+    x[5] = -1.0 - torch.rand(width, generator=_gen(5))       # signed zeros as the maximum
+    x[5, last // 2], x[5, last] = -0.0, 0.0
+    x[6, last] = 1000.0                                      # in the tail past the last full vector
+    x[7, last // 5] = inf
+    x[8] = torch.randint(-3, 3, (width,), generator=_gen(8)).float()  # many equal maxima
+    x[9, 0] = 1000.0
+    return x.to(dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("width", [1, 15, 17, 64, 1000, 49152])
+def test_argmax_rows_is_torch_argmax(width: int, dtype: torch.dtype) -> None:
+    k = _kernels()
+    x = _argmax_cases(width, dtype)
+    got = k.argmax_rows(x)
+    assert got.dtype == torch.int64 and got.shape == (10,)
+    assert torch.equal(got, x.argmax(dim=-1)), (got, x.argmax(dim=-1))
+    if width >= 17:
+        assert got[1] == (width - 1) // 3 and got[2] == width - 1 and got[3] == (width - 1) // 4
+        assert got[4] == 0 and got[6] == width - 1 and got[9] == 0
+    wide = torch.randn(64, width, generator=_gen(width + 1)).to(dtype)  # a decode step's worth of rows
+    assert torch.equal(k.argmax_rows(wide), wide.argmax(dim=-1))
+    assert k.argmax_rows(x[:0]).shape == (0,)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        k.argmax_rows(x.t() if width > 1 else x[0])

@@ -160,3 +160,54 @@ def test_seeded_rows_ignore_the_other_rows_filters() -> None:
                    [SamplingParams(temperature=2.0, seed=3)]):
         tokens, _ = run(logits[: 1 + len(others)], [seeded, *others])
         assert tokens[0] == alone
+
+
+class _CountingArgmax:
+    """torch.argmax behind the Sampler's ``argmax_rows`` seam, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return logits.argmax(dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plain_greedy_batches_take_the_argmax_kernel_and_nothing_else_does(dtype: torch.dtype) -> None:
+    argmax = _CountingArgmax()
+    sampler = Sampler(torch.device("cpu"), seed=0, argmax_rows=argmax)
+    logits = peaked([7, 11, 42]).to(dtype)
+    greedy = SamplingParams(temperature=0.0)
+    tokens, logprobs = run(logits, [greedy] * 3, sampler=sampler)
+    assert (tokens, logprobs, argmax.calls) == ([7, 11, 42], [None] * 3, 1)
+    # anything applied before the argmax, or a random row, keeps the float32 path
+    for params in ([greedy, greedy, SamplingParams(temperature=0.7)],
+                   [greedy, greedy, SamplingParams(temperature=0.0, logprobs=2)],
+                   [greedy, greedy, SamplingParams(temperature=0.0, repetition_penalty=1.3)],
+                   [greedy, greedy, SamplingParams(temperature=0.0, presence_penalty=0.5)],
+                   [greedy, greedy, SamplingParams(temperature=0.0, frequency_penalty=0.5)]):
+        run(logits, params, sampler=sampler)
+    assert argmax.calls == 1
+    from services.worker.logits_processors import RowConstraint
+
+    banned = [None, None, RowConstraint(banned_token_ids=[42])]  # masks in place: the sampler owns its logits
+    tokens, _ = sampler(logits.clone(), [greedy] * 3, [[1]] * 3, [{}] * 3, [0] * 3, banned)
+    assert argmax.calls == 1 and tokens[:2] == [7, 11] and tokens[2] != 42
+    tokens, _ = sampler(logits, [greedy] * 3, [[1]] * 3, [{}] * 3, [0] * 3, [None] * 3)
+    assert argmax.calls == 2 and tokens == [7, 11, 42]
+
+
+def test_the_cpu_kernel_picks_what_the_float32_path_picks() -> None:
+    from services.worker.fused_ops import kernels
+
+    ops = kernels()
+    if ops is None:
+        pytest.skip("no C++ compiler: the sampler keeps torch.argmax")
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 49152, generator=gen) * 3).to(torch.bfloat16)  # bfloat16 logits tie often
+    logits[5, 100] = logits[5, 200] = logits[5].max() + 1
+    greedy = [SamplingParams(temperature=0.0)] * 64
+    fast, _ = run(logits, greedy, sampler=Sampler(torch.device("cpu"), argmax_rows=ops.argmax_rows))
+    slow, _ = run(logits, greedy)
+    assert fast == slow and fast[5] == 100
