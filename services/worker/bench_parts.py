@@ -6,9 +6,10 @@
   contexts 201-264, SmolLM2's 9 query / 3 KV heads of 64, block size 16, shuffled
   blocks): attention per backend, the seven linear layers at M=64, and the eager
   norm/RoPE/SiLU/residual work; and attention's share of the layer per backend.
-- ``sampler``: 8 rows x 49,152 logits through ``Sampler`` for greedy, seeded
-  temperature, top-k+top-p and top-p rows; and a decode step's greedy batch (64 rows of
-  bfloat16 logits) through the float32 path and through the CPU kernels' ``argmax_rows``.
+- ``sampler``: 8 rows x 49,152 float32 logits through ``Sampler`` for greedy, seeded
+  and unseeded temperature, top-k+top-p and top-p rows, and a decode step's 64 rows of
+  bfloat16 logits (greedy and temperature), each through the PyTorch paths and through
+  the CPU kernels' ``argmax_rows``/``sample_rows``.
 
 Each figure is the minimum over 5 rounds of 10 calls. Prints lines, writes JSON.
 """
@@ -96,31 +97,37 @@ def decode_layer() -> dict[str, float]:
 
 
 def sampler() -> dict[str, float]:
-    logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)) * 4
-    cases = {
-        "greedy": SamplingParams(temperature=0.0),
-        "temperature 0.8, seeded": SamplingParams(temperature=0.8, seed=1),
-        "top-k 50 + top-p 0.9, seeded": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1),
-        "top-p 0.9, unseeded": SamplingParams(temperature=0.8, top_p=0.9),
-    }
-    s = Sampler(torch.device("cpu"))
-
-    def draw(p: SamplingParams) -> Callable[[], Any]:
-        return lambda: s(logits, [p] * 8, [[1, 2, 3]] * 8, [{}] * 8, [5] * 8)
-
-    fns = {name: draw(p) for name, p in cases.items()}
-    step = (torch.randn(64, 49152, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
-    greedy = [SamplingParams(temperature=0.0)] * 64
-
-    def greedy_step(smp: Sampler) -> Callable[[], Any]:
-        return lambda: smp(step, greedy, [[1, 2, 3]] * 64, [{}] * 64, [5] * 64)
-
-    fns["greedy, 64 bf16 rows, float32 path"] = greedy_step(s)
+    """Each case through the PyTorch paths and, when the CPU kernels load, through
+    ``argmax_rows``/``sample_rows`` (greedy and temperature-only rows; the filtered rows
+    take the same path either way): 8 rows of float32 logits, and a decode step's 64 rows
+    of bfloat16 logits."""
     from .fused_ops import kernels
 
     ops = kernels()
+    samplers = {"torch": Sampler(torch.device("cpu"))}
     if ops is not None:
-        fns["greedy, 64 bf16 rows, argmax_rows"] = greedy_step(Sampler(torch.device("cpu"), argmax_rows=ops.argmax_rows))
+        samplers["kernels"] = Sampler(torch.device("cpu"), argmax_rows=ops.argmax_rows, sample_rows=ops.sample_rows)
+    cases = {
+        "greedy": SamplingParams(temperature=0.0),
+        "temperature 0.8, seeded": SamplingParams(temperature=0.8, seed=1),
+        "temperature 1.0": SamplingParams(temperature=1.0),
+        "top-k 50 + top-p 0.9, seeded": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1),
+        "top-p 0.9, unseeded": SamplingParams(temperature=0.8, top_p=0.9),
+    }
+    batches = {8: torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)) * 4,
+               64: (torch.randn(64, 49152, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)}
+
+    def draw(smp: Sampler, logits: torch.Tensor, p: SamplingParams) -> Callable[[], Any]:
+        n = logits.shape[0]
+        return lambda: smp(logits, [p] * n, [[1, 2, 3]] * n, [{}] * n, [5] * n)
+
+    fns = {}
+    for rows, logits in batches.items():
+        for name, p in cases.items():
+            if rows == 64 and "top" in name:
+                continue
+            for path, smp in samplers.items():
+                fns[f"{name}, {rows} {'bf16' if rows == 64 else 'f32'} rows, {path}"] = draw(smp, logits, p)
     return _best_ms(fns)
 
 

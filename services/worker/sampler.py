@@ -23,6 +23,12 @@ the same output position). Unseeded rows share one generator.
 Logprobs are those of the model's raw distribution (log-softmax of the logits
 before penalties and temperature), like vLLM's default.
 
+Temperature-only rows (no top-k, top-p or min-p) on the CPU are drawn by inverse CDF
+in the CPU kernels' ``sample_rows``: one uniform per row (a seeded row's from its own
+generator, as above) instead of one per vocabulary token, and no float32 passes over the
+batch in PyTorch ops (36 -> ~2 ms for 64 rows of a 49,152-token vocabulary). The
+distribution is the same; the token a given seed picks differs from the race's.
+
 An all-greedy batch with nothing to apply (no penalties, constraints or logprobs; the
 common load's every step) skips the float32 copy and takes each row's argmax straight
 from the LM head's logits through ``argmax_rows`` when the worker has one (the CPU
@@ -55,13 +61,17 @@ ARGMAX_DTYPES = (torch.bfloat16, torch.float32)
 
 class Sampler:
     def __init__(
-        self, device: torch.device, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self, device: torch.device, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        sample_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # [rows, vocab] bfloat16/float32 CPU logits -> int64 [rows], as torch.argmax(dim=-1)
         self.argmax_rows = argmax_rows
+        # (logits [rows, vocab], float32 1/temperature [rows], float32 uniforms [rows]) -> int64
+        # [rows]: inverse-CDF temperature sampling (the CPU kernels' sample_rows)
+        self.sample_rows = sample_rows
 
     def _plain_greedy(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                       constraints: Sequence[RowConstraint | None] | None) -> bool:
@@ -117,7 +127,44 @@ class Sampler:
     def _draw(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
     ) -> torch.Tensor:
-        """One token per row (all rows random): candidate rows and whole-vocabulary rows apart."""
+        """One token per row (all rows random). Rows with a temperature and no filter go to
+        ``sample_rows`` when the worker has it; the others to the exponential race."""
+        vocab = logits.shape[1]
+        sample_rows = self.sample_rows
+        direct: list[int] = []
+        if sample_rows is not None and logits.device.type == "cpu" and logits.dtype in ARGMAX_DTYPES:
+            direct = [i for i, p in enumerate(params) if _temperature_only(p, vocab)]
+        if sample_rows is None or not direct:
+            return self._race(logits, params, num_output_tokens)
+        every = len(direct) == len(params)
+        rows = None if every else torch.tensor(direct, device=logits.device)
+        sub = logits.contiguous() if rows is None else logits.index_select(0, rows)
+        inv_temp = torch.tensor([1.0 / params[i].temperature for i in direct], dtype=torch.float32)
+        u = self._uniforms([params[i] for i in direct], [num_output_tokens[i] for i in direct])
+        picked = sample_rows(sub, inv_temp, u)
+        if rows is None:
+            return picked
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        tokens[rows] = picked
+        chosen = set(direct)
+        rest = [i for i in range(len(params)) if i not in chosen]
+        rest_rows = torch.tensor(rest, device=logits.device)
+        tokens[rest_rows] = self._race(logits.index_select(0, rest_rows), [params[i] for i in rest],
+                                       [num_output_tokens[i] for i in rest])
+        return tokens
+
+    def _uniforms(self, params: Sequence[SamplingParams], num_outputs: Sequence[int]) -> torch.Tensor:
+        """One uniform in [0, 1) per row: a seeded row's from its own (seed, position) generator."""
+        u = torch.rand(len(params), generator=self.generator)
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                u[i] = torch.rand(1, generator=seeded_generator(p.seed, num_outputs[i], self.device))[0]
+        return u
+
+    def _race(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+    ) -> torch.Tensor:
+        """The exponential race: candidate rows and whole-vocabulary rows apart."""
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
         logits = logits / temps.unsqueeze(1)
@@ -247,6 +294,11 @@ class Sampler:
 
 
 TOP_P_CANDIDATES = 1024  # a top-p row's candidate set; rows whose top 1024 hold < top_p fall back
+
+
+def _temperature_only(p: SamplingParams, vocab: int) -> bool:
+    """A random row whose distribution is softmax(logits / temperature) over the whole vocabulary."""
+    return p.temperature > 0.0 and not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0
 
 
 def _candidate_width(p: SamplingParams, vocab: int) -> int:

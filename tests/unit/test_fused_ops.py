@@ -247,3 +247,38 @@ def test_argmax_rows_is_torch_argmax(width: int, dtype: torch.dtype) -> None:
     assert k.argmax_rows(x[:0]).shape == (0,)
     with pytest.raises(RuntimeError, match="contiguous"):
         k.argmax_rows(x.t() if width > 1 else x[0])
+
+
+@DTYPES
+@pytest.mark.parametrize("width", [1, 16, 37, 1000])
+def test_sample_rows_is_the_inverse_cdf_of_the_softmax(width: int, dtype: torch.dtype) -> None:
+    k = _kernels()
+    n = 4000  # uniforms on a grid: each token's share of them is its probability, to 1/n
+    x = (torch.randn(1, width, generator=_gen(width)) * 3).to(dtype)
+    if width > 3:
+        x[0, 2] = float("-inf")  # masked (a constraint): never drawn
+    for temperature in (0.6, 1.0, 1.7):
+        u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).float()
+        tokens = k.sample_rows(x.repeat(n, 1), torch.full((n,), 1 / temperature), u)
+        assert tokens.dtype == torch.int64 and bool((tokens[1:] >= tokens[:-1]).all())  # u's order kept
+        freq = torch.bincount(tokens, minlength=width).double() / n
+        p = torch.softmax(x[0].double() / temperature, dim=-1)
+        assert float((freq - p).abs().max()) <= 1.5 / n, (freq, p)
+        if width > 3:
+            assert not bool((tokens == 2).any())
+
+
+def test_sample_rows_edges() -> None:
+    k = _kernels()
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[0.0, 5.0, 1.0, -inf],      # u = 0: the first token of nonzero weight
+                      [-inf, 5.0, 1.0, -inf],     # u just below 1: the last such token
+                      [1.0, nan, 3.0, nan],       # a NaN: the first NaN, as argmax answers
+                      [-inf, -inf, -inf, -inf],   # nothing to draw: 0
+                      [0.0, 5.0, 1.0, 4.0],       # temperature 1e-4: the argmax
+                      [-200.0, 0.0, -200.0, 0.0]])  # e^-200 weighs nothing; a tie splits u
+    inv_t = torch.tensor([1.0, 1.0, 1.0, 1.0, 1e4, 1.0])
+    u = torch.tensor([0.0, 1.0 - 2.0**-24, 0.5, 0.5, 0.999, 0.75])
+    assert k.sample_rows(x, inv_t, u).tolist() == [0, 2, 1, 0, 1, 3]
+    with pytest.raises(RuntimeError, match="one per row"):
+        k.sample_rows(x, inv_t[:2], u)

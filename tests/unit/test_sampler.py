@@ -211,3 +211,50 @@ def test_the_cpu_kernel_picks_what_the_float32_path_picks() -> None:
     fast, _ = run(logits, greedy, sampler=Sampler(torch.device("cpu"), argmax_rows=ops.argmax_rows))
     slow, _ = run(logits, greedy)
     assert fast == slow and fast[5] == 100
+
+
+def _kernel_sampler(seed: int = 0) -> Sampler:
+    from services.worker.fused_ops import kernels
+
+    ops = kernels()
+    if ops is None:
+        pytest.skip("no C++ compiler: the sampler keeps its PyTorch paths")
+    return Sampler(torch.device("cpu"), seed=seed, argmax_rows=ops.argmax_rows, sample_rows=ops.sample_rows)
+
+
+def test_temperature_rows_through_the_kernel_follow_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (VOCAB - 3))
+    logits = torch.log(probs.clamp_min(1e-30)).unsqueeze(0).repeat(4000, 1)
+    tokens, _ = run(logits, [SamplingParams(temperature=1.0)] * 4000, sampler=_kernel_sampler())
+    freq = [tokens.count(t) / 4000 for t in range(3)]
+    assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
+    assert set(tokens) <= {0, 1, 2}
+    # temperature 0.5 squares the odds: 25 : 9 : 4
+    tokens, _ = run(logits, [SamplingParams(temperature=0.5)] * 4000, sampler=_kernel_sampler(1))
+    assert [tokens.count(t) / 4000 for t in range(3)] == pytest.approx([25 / 38, 9 / 38, 4 / 38], abs=0.03)
+
+
+def test_only_temperature_rows_take_the_kernel_and_seeds_hold() -> None:
+    sampler = _kernel_sampler()
+    calls: list[int] = []
+    kernel = sampler.sample_rows
+    assert kernel is not None
+
+    def counted(x: torch.Tensor, inv_t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        assert torch.allclose(inv_t, torch.tensor([1 / 0.8] * x.shape[0]))
+        return kernel(x, inv_t, u)
+
+    sampler.sample_rows = counted
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(4))
+    seeded = SamplingParams(temperature=0.8, seed=1234)
+    params = [SamplingParams(temperature=0.0), seeded, SamplingParams(temperature=0.8, top_k=5),
+              SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, min_p=0.1)]
+    tokens, _ = run(logits, params, sampler=sampler)
+    assert calls == [2]  # rows 1 and 3; greedy, top-k and min-p rows elsewhere
+    assert tokens[0] == int(logits[0].argmax())
+    assert tokens[2] in set(logits[2].topk(5).indices.tolist())
+    alone = run(logits[1:2], [seeded], sampler=_kernel_sampler(seed=99))[0][0]
+    assert tokens[1] == alone  # a seeded row's draw ignores the batch and the shared generator
+    per_position = {run(logits[1:2], [seeded], outputs=[[5] * n], sampler=sampler)[0][0] for n in range(20)}
+    assert len(per_position) > 3

@@ -142,6 +142,29 @@ static inline int64_t argmax_row(const T* x, int64_t n) {
   return 0;
 }
 
+// e[i] = exp((x[i] - m) * inv_t), 0 below e^-87 (and for -inf logits), with each 16-element
+// block's float sum in bsum (the last block's over its valid elements). For sample_row.
+template <typename T>
+static inline void exp_shifted_row(const T* x, int64_t n, float m, float inv_t, float* e, float* bsum) {
+  const __m512 mv = _mm512_set1_ps(m), it = _mm512_set1_ps(inv_t), floor = _mm512_set1_ps(-87.f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 d = _mm512_mul_ps(_mm512_sub_ps(load16(x + i), mv), it);
+    const __m512 v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, floor, _CMP_GE_OQ), exp16(d));
+    _mm512_storeu_ps(e + i, v);
+    bsum[i / 16] = _mm512_reduce_add_ps(v);
+  }
+  if (i < n) {
+    float tail = 0.f;
+    for (int64_t j = i; j < n; ++j) {
+      const float d = (static_cast<float>(x[j]) - m) * inv_t;
+      e[j] = d >= -87.f ? std::exp(d) : 0.f;
+      tail += e[j];
+    }
+    bsum[i / 16] = tail;
+  }
+}
+
 #else
 // Without AVX-512: the same arithmetic as plain loops over floats (independent lanes;
 // partial sums in sixteen accumulators; exp as the same polynomial with the rounding and
@@ -246,6 +269,19 @@ static inline int64_t argmax_row(const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     if (static_cast<float>(x[i]) == m) return i;
   return 0;
+}
+template <typename T>
+static inline void exp_shifted_row(const T* x, int64_t n, float m, float inv_t, float* e, float* bsum) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t end = std::min<int64_t>(n, i + 16);
+    float acc = 0.f;
+    for (int64_t j = i; j < end; ++j) {
+      const float d = (static_cast<float>(x[j]) - m) * inv_t;
+      e[j] = d >= -87.f ? exp_neg(d) : 0.f;
+      acc += e[j];
+    }
+    bsum[i / 16] = acc;
+  }
 }
 #endif
 
@@ -369,6 +405,66 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     int64_t* op = out.data_ptr<int64_t>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row<T>(xp + r * n, n);
+    });
+  });
+  return out;
+}
+
+// Temperature sampling of one row by inverse CDF: the first token whose running sum of
+// e = exp((x - max) / T) passes u times the row's total. One uniform per row where the
+// exponential race (argmax p / E) needs one per token. The total and the search add the
+// same float block sums in double in the same order, so a u below 1 always lands on a
+// token of nonzero weight. A row with a NaN answers its first NaN (as argmax does); a row
+// of -inf answers 0.
+template <typename T>
+static int64_t sample_row(const T* x, int64_t n, float inv_t, float u, std::vector<float>& e,
+                          std::vector<float>& bsum) {
+  const int64_t top = argmax_row<T>(x, n);
+  const float m = static_cast<float>(x[top]);
+  if (std::isnan(m) || m == -INFINITY) return top;
+  const int64_t blocks = (n + 15) / 16;
+  e.resize(n);
+  bsum.resize(blocks);
+  exp_shifted_row<T>(x, n, m, inv_t, e.data(), bsum.data());
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) total += bsum[b];
+  const double target = static_cast<double>(u) * total;
+  double cum = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (cum + bsum[b] > target) {
+      const int64_t end = std::min<int64_t>(n, 16 * b + 16);
+      int64_t last = -1;
+      for (int64_t j = 16 * b; j < end; ++j) {
+        if (e[j] <= 0.f) continue;
+        cum += e[j];
+        last = j;
+        if (cum > target) return j;
+      }
+      if (last >= 0) return last;  // the block's float sum rounded above its elements' double sum
+    }
+    cum += bsum[b];
+  }
+  return top;  // u * total rounded onto the total itself: the likeliest token
+}
+
+// Temperature sampling: row r of `logits` [rows, n] (bfloat16 or float32) drawn from
+// softmax(logits[r] * inv_temp[r]) with the uniform u[r] in [0, 1). Exact sampling, as the
+// sampler's exponential race is, without a random number per token (sampler.py).
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::Tensor u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "contiguous [rows, n] logits");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat && inv_temp.is_contiguous() &&
+              u.is_contiguous() && inv_temp.numel() == rows && u.numel() == rows,
+              "float32 inv_temp and u, one per row");
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  const float *tp = inv_temp.data_ptr<float>(), *up = u.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch_float(logits, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = logits.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+      std::vector<float> e, bsum;
+      for (int64_t r = r0; r < r1; ++r) op[r] = sample_row<T>(xp + r * n, n, tp[r], up[r], e, bsum);
     });
   });
   return out;
