@@ -1,8 +1,8 @@
 """The sampler's share of a sampled workload, with the CPU sampling kernels on and off.
 
 The common load's shape (64 distinct prompts of 200 random tokens, 64 output tokens each,
-all submitted at once) through the offline engine at one temperature (no top-k/top-p:
-OpenAI's default for a sampled request), in rounds; each round runs it once with the
+all submitted at once) through the offline engine at one temperature (by default with
+no top-k/top-p: OpenAI's default for a sampled request; ``--top-p``/``--top-k`` add them), in rounds; each round runs it once with the
 worker's ``argmax_rows``/``sample_rows`` kernels and once with the sampler's PyTorch paths,
 in one process, so both see the same machine. Per run: wall time, the steps' summed
 ``forward_s`` and ``sample_s`` (the worker's own timers), output tok/s. Prints a line per
@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if kernels[1] is None:
         raise SystemExit("no CPU sampling kernels in this worker (not a CPU, or no C++ compiler): nothing to compare")
     rng = random.Random(args.seed)
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, ignore_eos=True)
     sched = llm.scheduler
     runs: list[dict[str, Any]] = []
     next_id = 0
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"{row['out_tok_s']:6.1f} out tok/s", flush=True)
     sampler.argmax_rows, sampler.sample_rows = kernels
     return {"command": "python -m services.engine.bench_sampling " + " ".join(args.argv), "model": args.model,
-            "dtype": args.dtype, "temperature": args.temperature, "threads": args.threads,
+            "dtype": args.dtype, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "threads": args.threads,
             "cpu": cpu_model(), "loadavg": os.getloadavg(), "runs": runs}
 
 
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core this process may use)")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=200)

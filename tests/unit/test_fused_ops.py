@@ -259,7 +259,7 @@ def test_sample_rows_is_the_inverse_cdf_of_the_softmax(width: int, dtype: torch.
         x[0, 2] = float("-inf")  # masked (a constraint): never drawn
     for temperature in (0.6, 1.0, 1.7):
         u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).float()
-        tokens = k.sample_rows(x.repeat(n, 1), torch.full((n,), 1 / temperature), u)
+        tokens = k.sample_rows(x.repeat(n, 1), torch.full((n,), 1 / temperature), *_no_filters(n), u)
         assert tokens.dtype == torch.int64 and bool((tokens[1:] >= tokens[:-1]).all())  # u's order kept
         freq = torch.bincount(tokens, minlength=width).double() / n
         p = torch.softmax(x[0].double() / temperature, dim=-1)
@@ -279,6 +279,49 @@ def test_sample_rows_edges() -> None:
                       [-200.0, 0.0, -200.0, 0.0]])  # e^-200 weighs nothing; a tie splits u
     inv_t = torch.tensor([1.0, 1.0, 1.0, 1.0, 1e4, 1.0])
     u = torch.tensor([0.0, 1.0 - 2.0**-24, 0.5, 0.5, 0.999, 0.75])
-    assert k.sample_rows(x, inv_t, u).tolist() == [0, 2, 1, 0, 1, 3]
+    assert k.sample_rows(x, inv_t, *_no_filters(6), u).tolist() == [0, 2, 1, 0, 1, 3]
     with pytest.raises(RuntimeError, match="one per row"):
-        k.sample_rows(x, inv_t[:2], u)
+        k.sample_rows(x, inv_t[:2], *_no_filters(6), u)
+
+
+def _no_filters(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.zeros(n, dtype=torch.long), torch.ones(n), torch.zeros(n)
+
+
+def _filtered_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """float64 reference: top-k, then top-p over what top-k kept, then min-p, each keeping the
+    tokens tied with the last one it needs; then renormalized."""
+    e = torch.exp((x.double() - x.double().max()) / temperature)
+    keep = torch.ones_like(e, dtype=torch.bool)
+    if 0 < top_k < e.numel():
+        keep &= e >= e.sort(descending=True).values[top_k - 1]
+    if top_p < 1.0:
+        kept = (e * keep).sort(descending=True).values
+        cum = kept.cumsum(0)
+        last = int(torch.searchsorted(cum, top_p * cum[-1]))  # the first prefix reaching top_p
+        keep &= e >= kept[min(last, kept.numel() - 1)]
+    keep &= e >= min_p
+    w = e * keep
+    return w / w.sum()
+
+
+@DTYPES
+@pytest.mark.parametrize("width", [37, 1000])
+@pytest.mark.parametrize("filters", [(5, 1.0, 0.0), (0, 0.6, 0.0), (50, 0.8, 0.0), (0, 1.0, 0.2), (20, 0.9, 0.05),
+                                     (1, 1.0, 0.0), (0, 0.0, 0.0)],
+                         ids=["top-k", "top-p", "top-k+top-p", "min-p", "all three", "top-k 1", "top-p 0"])
+def test_sample_rows_filters_are_the_thresholds(width: int, filters: tuple[int, float, float],
+                                                dtype: torch.dtype) -> None:
+    k = _kernels()
+    top_k, top_p, min_p = filters
+    n = 4000
+    x = (torch.randn(1, width, generator=_gen(width + 7)) * 2).to(dtype)
+    u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).float()
+    tokens = k.sample_rows(x.repeat(n, 1), torch.full((n,), 1 / 0.8), torch.full((n,), top_k, dtype=torch.long),
+                           torch.full((n,), top_p), torch.full((n,), min_p), u)
+    freq = torch.bincount(tokens, minlength=width).double() / n
+    p = _filtered_probs(x[0], 0.8, top_k, top_p, min_p)
+    assert float((freq - p).abs().max()) <= 1.5 / n, (freq, p)
+    assert set(tokens.tolist()) <= set(p.nonzero().flatten().tolist())
+    if top_k == 1 or top_p == 0.0:
+        assert set(tokens.tolist()) == {int(x[0].float().argmax())}

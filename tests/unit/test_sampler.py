@@ -234,26 +234,29 @@ def test_temperature_rows_through_the_kernel_follow_the_distribution() -> None:
     assert [tokens.count(t) / 4000 for t in range(3)] == pytest.approx([25 / 38, 9 / 38, 4 / 38], abs=0.03)
 
 
-def test_only_temperature_rows_take_the_kernel_and_seeds_hold() -> None:
+def test_random_rows_take_the_kernel_and_seeds_hold() -> None:
     sampler = _kernel_sampler()
     calls: list[int] = []
     kernel = sampler.sample_rows
     assert kernel is not None
 
-    def counted(x: torch.Tensor, inv_t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def counted(x: torch.Tensor, inv_t: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape[0])
         assert torch.allclose(inv_t, torch.tensor([1 / 0.8] * x.shape[0]))
-        return kernel(x, inv_t, u)
+        return kernel(x, inv_t, *rest)
 
     sampler.sample_rows = counted
     logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(4))
     seeded = SamplingParams(temperature=0.8, seed=1234)
     params = [SamplingParams(temperature=0.0), seeded, SamplingParams(temperature=0.8, top_k=5),
               SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, min_p=0.1)]
-    tokens, _ = run(logits, params, sampler=sampler)
-    assert calls == [2]  # rows 1 and 3; greedy, top-k and min-p rows elsewhere
-    assert tokens[0] == int(logits[0].argmax())
-    assert tokens[2] in set(logits[2].topk(5).indices.tolist())
+    for _ in range(20):
+        tokens, _ = run(logits, params, sampler=sampler)
+        assert tokens[0] == int(logits[0].argmax())
+        assert tokens[2] in set(logits[2].topk(5).indices.tolist())
+        probs = torch.softmax(logits[4] / 0.8, dim=-1)
+        assert probs[tokens[4]] >= 0.1 * probs.max()
+    assert calls == [4] * 20  # the four random rows, in one call; the greedy row elsewhere
     alone = run(logits[1:2], [seeded], sampler=_kernel_sampler(seed=99))[0][0]
     assert tokens[1] == alone  # a seeded row's draw ignores the batch and the shared generator
     per_position = {run(logits[1:2], [seeded], outputs=[[5] * n], sampler=sampler)[0][0] for n in range(20)}

@@ -165,6 +165,34 @@ static inline void exp_shifted_row(const T* x, int64_t n, float m, float inv_t, 
   }
 }
 
+// Over e (nonnegative floats, compared by their bits, which order them): how many elements
+// are at least `t`, and their sum (flushed to double every 1,024 elements). For sample_row's
+// top-k and top-p thresholds.
+static inline void at_least(const float* e, int64_t n, int32_t t, int64_t& count, double& mass) {
+  const __m512i tv = _mm512_set1_epi32(t);
+  count = 0;
+  mass = 0.0;
+  int64_t i = 0;
+  while (i + 16 <= n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (const int64_t stop = std::min(n - 15, i + 1024); i < stop; i += 16) {
+      const __m512 v = _mm512_loadu_ps(e + i);
+      const __mmask16 k = _mm512_cmpge_epi32_mask(_mm512_castps_si512(v), tv);
+      acc = _mm512_mask_add_ps(acc, k, acc, v);
+      count += __builtin_popcount(k);
+    }
+    mass += _mm512_reduce_add_ps(acc);
+  }
+  for (; i < n; ++i) {
+    int32_t b;
+    std::memcpy(&b, e + i, sizeof b);
+    if (b >= t) {
+      ++count;
+      mass += e[i];
+    }
+  }
+}
+
 #else
 // Without AVX-512: the same arithmetic as plain loops over floats (independent lanes;
 // partial sums in sixteen accumulators; exp as the same polynomial with the rounding and
@@ -281,6 +309,24 @@ static inline void exp_shifted_row(const T* x, int64_t n, float m, float inv_t, 
       acc += e[j];
     }
     bsum[i / 16] = acc;
+  }
+}
+static inline void at_least(const float* e, int64_t n, int32_t t, int64_t& count, double& mass) {
+  count = 0;
+  mass = 0.0;
+  for (int64_t i = 0; i < n; i += 1024) {
+    const int64_t end = std::min<int64_t>(n, i + 1024);
+    float acc = 0.f;
+    int64_t c = 0;
+    for (int64_t j = i; j < end; ++j) {
+      int32_t b;
+      std::memcpy(&b, e + j, sizeof b);
+      const bool keep = b >= t;
+      acc += keep ? e[j] : 0.f;
+      c += keep;
+    }
+    count += c;
+    mass += acc;
   }
 }
 #endif
@@ -410,15 +456,19 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// Temperature sampling of one row by inverse CDF: the first token whose running sum of
-// e = exp((x - max) / T) passes u times the row's total. One uniform per row where the
-// exponential race (argmax p / E) needs one per token. The total and the search add the
+// Sampling one row by inverse CDF over e = exp((x - max) / T): the first token whose running
+// sum of e passes u times the kept total. One uniform per row where the exponential race
+// (argmax p / E) needs one per token. The filters are thresholds on e (e of the top token
+// is 1): top-k keeps the tokens at least as likely as the k-th, top-p (over the top-k
+// renormalized distribution, as the sampler defines it) the fewest most likely tokens
+// holding top_p of the mass, min-p those at least min_p as likely as the top token; each
+// threshold is found by a bisection over e's bits, and a token tied with the last one kept
+// is kept too (a sort would cut ties in its own order). The total and the search add the
 // same float block sums in double in the same order, so a u below 1 always lands on a
-// token of nonzero weight. A row with a NaN answers its first NaN (as argmax does); a row
-// of -inf answers 0.
+// kept token. A row with a NaN answers its first NaN (as argmax does); a row of -inf, 0.
 template <typename T>
-static int64_t sample_row(const T* x, int64_t n, float inv_t, float u, std::vector<float>& e,
-                          std::vector<float>& bsum) {
+static int64_t sample_row(const T* x, int64_t n, float inv_t, int64_t top_k, float top_p, float min_p, float u,
+                          std::vector<float>& e, std::vector<float>& bsum) {
   const int64_t top = argmax_row<T>(x, n);
   const float m = static_cast<float>(x[top]);
   if (std::isnan(m) || m == -INFINITY) return top;
@@ -426,6 +476,49 @@ static int64_t sample_row(const T* x, int64_t n, float inv_t, float u, std::vect
   e.resize(n);
   bsum.resize(blocks);
   exp_shifted_row<T>(x, n, m, inv_t, e.data(), bsum.data());
+  const bool by_k = top_k > 0 && top_k < n, by_p = top_p < 1.f, by_min_p = min_p > 0.f;
+  if (by_k || by_p || by_min_p) {
+    int32_t one, tau = 0;
+    const float unit = 1.f;
+    std::memcpy(&one, &unit, sizeof one);
+    int64_t count;
+    double mass = 0.0;
+    if (by_k) {  // the largest threshold that keeps at least k tokens
+      int32_t lo = 0, hi = one;
+      while (lo < hi) {
+        const int32_t mid = lo + (hi - lo + 1) / 2;
+        at_least(e.data(), n, mid, count, mass);
+        if (count >= top_k) lo = mid; else hi = mid - 1;
+      }
+      tau = lo;
+    }
+    if (by_p) {  // the largest threshold whose tokens hold top_p of what top-k kept
+      at_least(e.data(), n, tau, count, mass);
+      const double need = static_cast<double>(top_p) * mass;
+      int32_t lo = tau, hi = one;
+      while (lo < hi) {
+        const int32_t mid = lo + (hi - lo + 1) / 2;
+        at_least(e.data(), n, mid, count, mass);
+        if (mass >= need) lo = mid; else hi = mid - 1;
+      }
+      tau = lo;
+    }
+    if (by_min_p) {
+      int32_t b;
+      std::memcpy(&b, &min_p, sizeof b);
+      tau = std::max(tau, std::min(b, one));
+    }
+    for (int64_t blk = 0; blk < blocks; ++blk) {  // drop what the thresholds drop; block sums again
+      float acc = 0.f;
+      for (int64_t j = 16 * blk, end = std::min<int64_t>(n, 16 * blk + 16); j < end; ++j) {
+        int32_t b;
+        std::memcpy(&b, &e[j], sizeof b);
+        if (b < tau) e[j] = 0.f;
+        acc += e[j];
+      }
+      bsum[blk] = acc;
+    }
+  }
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) total += bsum[b];
   const double target = static_cast<double>(u) * total;
@@ -447,24 +540,30 @@ static int64_t sample_row(const T* x, int64_t n, float inv_t, float u, std::vect
   return top;  // u * total rounded onto the total itself: the likeliest token
 }
 
-// Temperature sampling: row r of `logits` [rows, n] (bfloat16 or float32) drawn from
-// softmax(logits[r] * inv_temp[r]) with the uniform u[r] in [0, 1). Exact sampling, as the
-// sampler's exponential race is, without a random number per token (sampler.py).
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::Tensor u) {
+// Sampling: row r of `logits` [rows, n] (bfloat16 or float32) drawn from softmax(logits[r] *
+// inv_temp[r]) after top_k[r] (int64, 0: off), top_p[r] (1: off) and min_p[r] (0: off), with
+// the uniform u[r] in [0, 1). Exact sampling, as the sampler's exponential race is, without
+// a random number per token and without sorting (sampler.py).
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor u) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "contiguous [rows, n] logits");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat && inv_temp.is_contiguous() &&
-              u.is_contiguous() && inv_temp.numel() == rows && u.numel() == rows,
-              "float32 inv_temp and u, one per row");
+  for (const auto* t : {&inv_temp, &top_p, &min_p, &u})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows,
+                "float32 inv_temp, top_p, min_p and u, one per row");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == rows,
+              "int64 top_k, one per row");
   auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
-  const float *tp = inv_temp.data_ptr<float>(), *up = u.data_ptr<float>();
+  const float *tp = inv_temp.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>(),
+              *up = u.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   dispatch_float(logits, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = logits.data_ptr<T>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       std::vector<float> e, bsum;
-      for (int64_t r = r0; r < r1; ++r) op[r] = sample_row<T>(xp + r * n, n, tp[r], up[r], e, bsum);
+      for (int64_t r = r0; r < r1; ++r) op[r] = sample_row<T>(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], up[r], e, bsum);
     });
   });
   return out;
