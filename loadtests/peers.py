@@ -18,6 +18,8 @@ One run, one server at a time, each started fresh on a free loopback port:
    200-token plain prompts, ``max_tokens`` 64 with ``ignore_eos``, temperature 0)
    sent as a burst (all at once) and at 2 requests/s, fresh prompts per run. The
    peak RSS of all the server's processes together is sampled throughout.
+   ``--temperature``/``--top-p`` send every request sampled instead (the board says so):
+   the same load as most chat clients send it.
 
 The board (``OUT/board.md``, ``OUT/peers.json``) puts both servers and the limit
 side by side. Nothing here is run by CI: it downloads vLLM and takes many minutes.
@@ -183,7 +185,8 @@ def make_traces(args: argparse.Namespace) -> dict[str, Trace]:
 
 
 def run_load(server: ManagedServer, traces: dict[str, Trace], args: argparse.Namespace) -> dict[str, Any]:
-    client = ClientConfig(server.base_url, SERVED_NAME, request_timeout_s=args.request_timeout, ignore_eos=True)
+    client = ClientConfig(server.base_url, SERVED_NAME, request_timeout_s=args.request_timeout, ignore_eos=True,
+                          temperature=args.temperature, extra_body={"top_p": args.top_p} if args.top_p < 1.0 else {})
     settings = BenchSettings(client, metrics_url=None, quiet=True)
     warmup(traces["warmup"], settings, len(traces["warmup"].requests))
     burst = run_once(traces["burst"], RunPlan("burst", 24 * 3600.0, ArrivalSpec("closed"),
@@ -215,6 +218,12 @@ def run_server(label: str, spec: ServerSpec, traces: dict[str, Trace], args: arg
             "load_average_before": load_before, "load_average_after": load_average(), **result}
 
 
+def _sampling(meta: dict[str, Any]) -> str:
+    """The requests' sampling, as the board states it (boards before the option: greedy)."""
+    t, top_p = meta.get("temperature", 0.0), meta.get("top_p", 1.0)
+    return f"temperature {t:g}" + (f", top_p {top_p:g}" if top_p < 1.0 else "")
+
+
 def _s(ms: float | None) -> str:
     return "n/a" if ms is None else f"{ms / 1000:.1f} s"
 
@@ -230,7 +239,7 @@ def board(results: dict[str, Any]) -> str:
         f"{' '.join(meta['cpu']['flags'])}; load average at start {meta['load_average_start']} "
         f"(other jobs shared the machine); vLLM {meta['vllm']}.", "",
         f"Load: {meta['num_requests']} streaming /v1/completions, distinct {meta['prompt_tokens']}-token prompts, "
-        f"max_tokens {meta['max_tokens']} with ignore_eos, temperature 0; burst = all at once, "
+        f"max_tokens {meta['max_tokens']} with ignore_eos, {_sampling(meta)}; burst = all at once, "
         f"{meta['rate']:g}/s = one every {1 / meta['rate']:.2f} s. Command: `{meta['command']}`", "",
         "| server | dtype | burst out tok/s | vs GEMM limit | burst TTFT p95 | "
         f"{meta['rate']:g}/s TTFT p95 | {meta['rate']:g}/s e2e p95 | peak RSS (all processes) | errors |",
@@ -280,6 +289,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rate", type=float, default=2.0, help="requests/s of the second run")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (0: greedy, the issue's common load)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: off, not sent)")
     p.add_argument("--threads", type=int, default=0, help="threads for the GEMM limit (0: the cores)")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the vLLM venv (outside the project)")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=1,
@@ -355,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_info(),
         "load_average_start": load_average(), "command": " ".join(["python -m loadtests.peers", *(argv or sys.argv[1:])]),
         "num_requests": args.num_requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-        "rate": args.rate, "dtypes": dtypes, "vllm": "not run",
+        "rate": args.rate, "dtypes": dtypes, "vllm": "not run", "temperature": args.temperature, "top_p": args.top_p,
     }
     hf_dir = model_dir(resolve_model(args.model))
     log(f"model as a plain HF folder: {hf_dir}")

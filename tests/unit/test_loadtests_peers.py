@@ -38,3 +38,17 @@ def test_the_board_notes_int8_rows_only_when_there_are_some() -> None:
     assert note in board({"meta": meta, "gemm_limits": {}, "servers": [row]})
     plain = {**row, "label": "ferry serve", "server": "ferry"}
     assert note not in board({"meta": meta, "gemm_limits": {}, "servers": [plain]})
+
+
+def test_the_board_states_the_requests_sampling() -> None:
+    from loadtests.peers import board, parse_args
+
+    meta = {"date": "d", "cpu": {"model": "m", "cores": 2, "flags": []}, "load_average_start": [0.0],
+            "vllm": "0.32.0", "num_requests": 64, "prompt_tokens": 200, "max_tokens": 64, "rate": 2.0,
+            "command": "c"}
+    empty = {"gemm_limits": {}, "servers": []}
+    assert "ignore_eos, temperature 0;" in board({"meta": meta, **empty})  # boards from before the option
+    assert "ignore_eos, temperature 1, top_p 0.9;" in board(
+        {"meta": {**meta, "temperature": 1.0, "top_p": 0.9}, **empty})
+    args = parse_args(["--temperature", "0.7", "--top-p", "0.95"])
+    assert (args.temperature, args.top_p) == (0.7, 0.95)
