@@ -148,10 +148,10 @@ class ModelRunner:
             self.lean = LeanDecoder.build(self.body, fused_kernels() if any(fused_ops.values()) else None)
             log.info("lean forward: %s", self.lean.mode if self.lean else "off (this model's layers)")
         self.batch = BatchState(self.block_size)
-        # CPU: greedy rows' argmax and temperature-only rows' draws through the compiled kernels (sampler.py)
-        argmax_ops = fused_kernels() if self.device.type == "cpu" else None
-        self.sampler = Sampler(self.device, argmax_rows=argmax_ops.argmax_rows if argmax_ops is not None else None,
-                               sample_rows=argmax_ops.sample_rows if argmax_ops is not None else None)
+        # CPU: greedy rows' argmax and random rows' draws through the compiled kernels (sampler.py)
+        cpu_ops = fused_kernels() if self.device.type == "cpu" else None
+        self.sampler = Sampler(self.device, argmax_rows=cpu_ops.argmax_rows if cpu_ops is not None else None,
+                               sample_rows=cpu_ops.sample_rows if cpu_ops is not None else None)
         eos, vocab, model = self.eos_token_ids, self.vocab_size, config.model
         self.constraints = ConstraintTracker(
             lambda: load_tokenizer(tokenizer_dir(resolve_model(model), config.cache_dir), vocab, eos),

@@ -35,7 +35,7 @@ An all-greedy batch with nothing to apply (no penalties, constraints or logprobs
 common load's every step) skips the float32 copy and takes each row's argmax straight
 from the LM head's logits through ``argmax_rows`` when the worker has one (the CPU
 kernels' ``argmax_rows``: torch.argmax's answer, ties and NaNs included, without its
-scalar reduction: docs/benchmarks.md, "Greedy sampling's argmax").
+scalar reduction). Both measured in docs/benchmarks.md, "Sampling on the CPU".
 """
 
 from __future__ import annotations
