@@ -31,11 +31,12 @@ a 49,152-token vocabulary: 32-48 ms of CPU -> 3-5 ms). Same distributions, excep
 token tied with the last one a filter keeps is kept too; the token a given seed picks
 differs from the race's.
 
-An all-greedy batch with nothing to apply (no penalties, constraints or logprobs; the
-common load's every step) skips the float32 copy and takes each row's argmax straight
-from the LM head's logits through ``argmax_rows`` when the worker has one (the CPU
-kernels' ``argmax_rows``: torch.argmax's answer, ties and NaNs included, without its
-scalar reduction). Both measured in docs/benchmarks.md, "Sampling on the CPU".
+A batch with nothing to apply before the draw (no penalties, constraints or logprobs; the
+common load's every step, greedy or sampled) skips the float32 copy: greedy rows take their
+argmax straight from the LM head's logits through ``argmax_rows`` (the CPU kernels'
+``argmax_rows``: torch.argmax's answer, ties and NaNs included, without its scalar
+reduction) and random rows go to ``sample_rows`` as they are (it widens bfloat16 itself).
+Both measured in docs/benchmarks.md, "Sampling on the CPU".
 """
 
 from __future__ import annotations
@@ -75,16 +76,19 @@ class Sampler:
         # float32 uniforms, each [rows]) -> int64 [rows]: the CPU kernels' inverse-CDF draw
         self.sample_rows = sample_rows
 
-    def _plain_greedy(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                      constraints: Sequence[RowConstraint | None] | None) -> bool:
-        """Every row greedy and nothing to apply before the argmax, and a kernel for these logits."""
-        return (
-            self.argmax_rows is not None and logits.device.type == "cpu" and logits.dtype in ARGMAX_DTYPES
-            and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0
-            and (constraints is None or all(c is None for c in constraints))
-            and all(p.temperature <= 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
-                    and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params)
-        )
+    def _plain(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               constraints: Sequence[RowConstraint | None] | None) -> bool:
+        """Nothing to apply before the draw (no penalties, constraints or logprobs), CPU logits
+        the kernels read, and a kernel for each kind of row in the batch."""
+        if not (logits.device.type == "cpu" and logits.dtype in ARGMAX_DTYPES and logits.dim() == 2
+                and logits.is_contiguous() and logits.shape[1] > 0
+                and (constraints is None or all(c is None for c in constraints))
+                and all(p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+                        and p.frequency_penalty == 0.0 for p in params)):
+            return False
+        greedy = any(p.temperature <= 0.0 for p in params)
+        random = any(p.temperature > 0.0 for p in params)
+        return (not greedy or self.argmax_rows is not None) and (not random or self.sample_rows is not None)
 
     def __call__(
         self,
@@ -95,9 +99,8 @@ class Sampler:
         num_output_tokens: Sequence[int],
         constraints: Sequence[RowConstraint | None] | None = None,  # per row; None: unconstrained batch
     ) -> tuple[list[int], list[SampleLogprobs | None]]:
-        if self._plain_greedy(logits, params, constraints):
-            assert self.argmax_rows is not None
-            return self.argmax_rows(logits).tolist(), [None] * len(params)
+        if self._plain(logits, params, constraints):
+            return self._plain_tokens(logits, params, num_output_tokens), [None] * len(params)
         logits = logits.float()
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -125,6 +128,27 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = self._logprobs(raw_logprobs, tokens, params)
         return token_list, logprobs
+
+    def _plain_tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                      num_output_tokens: Sequence[int]) -> list[int]:
+        """The kernels straight on the LM head's logits: no float32 copy. The kernels widen
+        bfloat16 to float32 exactly, so every token is the one the float32 path draws (the same
+        uniforms, taken for the random rows in the same order)."""
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
+        random_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        if not random_rows:
+            assert self.argmax_rows is not None
+            return self.argmax_rows(logits).tolist()
+        if not greedy_rows:
+            return self._draw(logits, params, num_output_tokens).tolist()
+        assert self.argmax_rows is not None
+        tokens = torch.empty(len(params), dtype=torch.long)
+        idx = torch.tensor(greedy_rows)
+        tokens[idx] = self.argmax_rows(logits.index_select(0, idx))
+        idx = torch.tensor(random_rows)
+        tokens[idx] = self._draw(logits.index_select(0, idx), [params[i] for i in random_rows],
+                                 [num_output_tokens[i] for i in random_rows])
+        return tokens.tolist()
 
     def _draw(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -220,6 +222,36 @@ def _kernel_sampler(seed: int = 0) -> Sampler:
     if ops is None:
         pytest.skip("no C++ compiler: the sampler keeps its PyTorch paths")
     return Sampler(torch.device("cpu"), seed=seed, argmax_rows=ops.argmax_rows, sample_rows=ops.sample_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plain_batches_skip_the_float32_copy_and_draw_what_it_draws(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(7, VOCAB, generator=gen) * 2).to(dtype)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, top_k=20),
+              SamplingParams(temperature=0.9, min_p=0.05)]
+    # A presence penalty with no outputs yet changes no logit but takes the float32 path.
+    copied = [msgspec.structs.replace(p, presence_penalty=0.5) for p in params]
+    for rows in (range(7), [1, 2, 3, 5, 6], [0, 4]):  # mixed, all random, all greedy
+        fast, slow = _kernel_sampler(seed=21), _kernel_sampler(seed=21)
+        seen: list[torch.dtype] = []
+        kernel = fast.sample_rows
+        assert kernel is not None
+
+        def spy(x: torch.Tensor, *rest: torch.Tensor, kernel: Any = kernel,
+                seen: list[torch.dtype] = seen) -> torch.Tensor:
+            seen.append(x.dtype)
+            return kernel(x, *rest)
+
+        fast.sample_rows = spy
+        sub = logits[list(rows)].contiguous()
+        for _ in range(5):  # the shared generator moves alike on both
+            got, _ = run(sub, [params[i] for i in rows], sampler=fast)
+            want, _ = run(sub, [copied[i] for i in rows], sampler=slow)
+            assert got == want
+        assert seen == ([dtype] * 5 if any(params[i].temperature > 0 for i in rows) else [])
 
 
 def test_temperature_rows_through_the_kernel_follow_the_distribution() -> None:
