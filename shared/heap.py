@@ -6,6 +6,15 @@ converting and repacking weights, a gateway parsing a 3.5 MB ``tokenizer.json``)
 stays that much larger for the life of the process: ~200 MiB for a SmolLM2-135M
 worker, ~29 MiB for its gateway. ``malloc_trim(0)`` releases every whole free page;
 it never touches memory in use. No torch here (the gateway imports this).
+
+The opposite holds for a model step's buffers: a 2,048-token prompt step allocates
+and frees tens of MiB per layer (a gate/up product alone is 12 MiB), and by default
+glibc hands such chunks back to the kernel (mmap/munmap above its mmap threshold,
+and trimming the heap's top above its trim threshold), so the next layer's buffers
+are fresh pages again: ~400,000 page faults (each a zeroed 4 KiB page) per common-load
+run of a SmolLM2 worker, about a second of kernel time on 2 cores.
+``keep_freed_memory`` sets both thresholds so such chunks stay in the heap for reuse
+(docs/worker.md, "Step buffers and page faults"; measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -48,6 +57,33 @@ def release_freed_memory() -> int | None:
     except Exception as exc:  # noqa: BLE001 - trimming is an optimisation, never a failure
         log.warning("malloc_trim unavailable (%s)", exc)
         return None
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+MAX_HEAP_CHUNK_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+KEEP_FREE_BYTES = 1 << 30  # free heap top kept before trimming: more than any step's buffers
+KEEP_ENV = "FERRY_MALLOC_KEEP"  # "0": leave glibc's dynamic thresholds as they are
+
+
+def keep_freed_memory(max_chunk_bytes: int = MAX_HEAP_CHUNK_BYTES, keep_bytes: int = KEEP_FREE_BYTES) -> bool:
+    """Serve allocations up to ``max_chunk_bytes`` from the heap and keep up to ``keep_bytes``
+    of free heap top instead of trimming it, so a step's freed buffers are reused by the
+    next step without page faults. Whether glibc took both settings.
+
+    Peak RSS does not move (those pages were resident while in use); RSS after a large
+    step stays at that step's high-water mark instead of falling back. An explicit
+    ``release_freed_memory`` still trims everything free. Off with ``FERRY_MALLOC_KEEP=0``;
+    a no-op outside glibc. Never raises."""
+    if os.environ.get(KEEP_ENV, "1") == "0" or not is_glibc():
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt.restype = ctypes.c_int
+        return bool(mallopt(M_MMAP_THRESHOLD, max_chunk_bytes) == 1 and mallopt(M_TRIM_THRESHOLD, keep_bytes) == 1)
+    except Exception as exc:  # noqa: BLE001 - an optimisation, never a failure
+        log.warning("mallopt unavailable (%s)", exc)
+        return False
 
 
 def release_and_log(moment: str, logger: logging.Logger = log) -> int | None:

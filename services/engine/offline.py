@@ -23,6 +23,7 @@ import msgspec
 from services.scheduler.scheduler import Scheduler
 from services.worker.runner import ModelRunner, set_num_threads
 from shared.config import SchedulerConfig, WorkerConfig
+from shared.heap import keep_freed_memory
 from shared.messages import (
     AddRequest,
     RequestDelta,
@@ -132,6 +133,9 @@ class LLM:
         except BaseException:
             self.close()
             raise
+        # The engine owns its process's stepping: freed step buffers stay in the heap for the
+        # next step instead of coming back as fresh pages (shared/heap.py; FERRY_MALLOC_KEEP=0: off).
+        keep_freed_memory()
         self._tokenizer: Any = None
         self._next_id = 0
         # the KV block count is the smallest any rank has (as the scheduler service does)

@@ -27,10 +27,12 @@ READY_TIMEOUT_S = 600.0
 
 def _rank_main(config: WorkerConfig, conn: Connection) -> None:
     from services.worker.runner import ModelRunner, set_num_threads
+    from shared.heap import keep_freed_memory
 
     try:
         set_num_threads(config.num_threads)
         runner = ModelRunner(config)
+        keep_freed_memory()  # step buffers reused without page faults (shared/heap.py)
         conn.send(("ready", runner.num_kv_blocks, runner.max_model_len))
         while True:
             data = conn.recv_bytes()

@@ -28,14 +28,14 @@ import sys
 from collections.abc import Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from shared.heap import release_and_log, release_freed_memory, rss_bytes
+from shared.heap import keep_freed_memory, release_and_log, release_freed_memory, rss_bytes
 
 if TYPE_CHECKING:  # no torch at import: service.py imports this before the slow torch import
     import torch
 
 log = logging.getLogger("ferry.worker.memory")
 
-__all__ = ["keep_out_unused_modules", "log_ready_memory", "release_and_log", "release_freed_memory",
+__all__ = ["keep_freed_memory", "keep_out_unused_modules", "log_ready_memory", "release_and_log", "release_freed_memory",
            "host_tensor_bytes", "module_tensors"]
 
 

@@ -40,7 +40,13 @@ from shared.messages import (
 from shared.models import resolve_model
 from shared.transport import connect
 
-from .memory import keep_out_unused_modules, log_ready_memory, release_and_log, release_freed_memory
+from .memory import (
+    keep_freed_memory,
+    keep_out_unused_modules,
+    log_ready_memory,
+    release_and_log,
+    release_freed_memory,
+)
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -102,6 +108,8 @@ def serve(config: WorkerConfig) -> int:
     except Exception as exc:  # noqa: BLE001 - any load failure is reported, then fatal
         return _fail(results, config, f"load failed: {exc!r}", None)
     log_ready_memory(runner.model, runner.kv.caches, release_freed_memory())  # what loading freed, back
+    # From here on, freed step buffers stay in the heap for the next step (shared/heap.py).
+    log.info("step buffers kept for reuse: %s", "yes" if keep_freed_memory() else "no (glibc defaults)")
     # The grammar tokenizer loads in a side thread, often past this point: trim its leftovers too.
     runner.constraints.when_tokenizer_loaded(lambda: release_and_log("grammar tokenizer loaded", log))
     log.info(
