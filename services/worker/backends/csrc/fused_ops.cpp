@@ -193,6 +193,27 @@ static inline void at_least(const float* e, int64_t n, int32_t t, int64_t& count
   }
 }
 
+// The elements of e whose bits are at least `t`, in order, into dst (room for n + 16: every
+// store writes a whole vector); how many. dst may be e itself (each store lands at or before
+// what it read). For sample_row's bisections, which then search fewer elements.
+static inline int64_t keep_at_least(const float* e, int64_t n, int32_t t, float* dst) {
+  const __m512i tv = _mm512_set1_epi32(t);
+  int64_t c = 0, i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(e + i);
+    const __mmask16 k = _mm512_cmpge_epi32_mask(_mm512_castps_si512(v), tv);
+    _mm512_storeu_ps(dst + c, _mm512_maskz_compress_ps(k, v));  // compress in a register: a store-compress is slow on Zen 4
+    c += __builtin_popcount(k);
+  }
+  for (; i < n; ++i) {
+    int32_t b;
+    std::memcpy(&b, e + i, sizeof b);
+    dst[c] = e[i];
+    c += b >= t;
+  }
+  return c;
+}
+
 #else
 // Without AVX-512: the same arithmetic as plain loops over floats (independent lanes;
 // partial sums in sixteen accumulators; exp as the same polynomial with the rounding and
@@ -329,6 +350,16 @@ static inline void at_least(const float* e, int64_t n, int32_t t, int64_t& count
     mass += acc;
   }
 }
+static inline int64_t keep_at_least(const float* e, int64_t n, int32_t t, float* dst) {
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t b;
+    std::memcpy(&b, e + i, sizeof b);
+    dst[c] = e[i];
+    c += b >= t;
+  }
+  return c;
+}
 #endif
 
 // Runs fn(T{}) for the tensor's dtype, bfloat16 or float32.
@@ -462,13 +493,14 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // is 1): top-k keeps the tokens at least as likely as the k-th, top-p (over the top-k
 // renormalized distribution, as the sampler defines it) the fewest most likely tokens
 // holding top_p of the mass, min-p those at least min_p as likely as the top token; each
-// threshold is found by a bisection over e's bits, and a token tied with the last one kept
+// threshold is found by a bisection over e's bits (searching, once the lower bound has
+// risen, only the elements above it: `kept`), and a token tied with the last one kept
 // is kept too (a sort would cut ties in its own order). The total and the search add the
 // same float block sums in double in the same order, so a u below 1 always lands on a
 // kept token. A row with a NaN answers its first NaN (as argmax does); a row of -inf, 0.
 template <typename T>
 static int64_t sample_row(const T* x, int64_t n, float inv_t, int64_t top_k, float top_p, float min_p, float u,
-                          std::vector<float>& e, std::vector<float>& bsum) {
+                          std::vector<float>& e, std::vector<float>& bsum, std::vector<float>& kept) {
   const int64_t top = argmax_row<T>(x, n);
   const float m = static_cast<float>(x[top]);
   if (std::isnan(m) || m == -INFINITY) return top;
@@ -483,23 +515,46 @@ static int64_t sample_row(const T* x, int64_t n, float inv_t, int64_t top_k, flo
     std::memcpy(&one, &unit, sizeof one);
     int64_t count;
     double mass = 0.0;
+    // The bisections count and sum over `cand`: the row's e at first, then only what is at or
+    // above the bisection's lower bound (every later query is above it), copied out whenever
+    // that is at most half of what is searched. A typical row keeps a few per cent after the
+    // first steps, so ~30 passes over the whole row become a few.
+    const float* cand = e.data();
+    int64_t cn = n;
+    auto narrow = [&](int32_t lo, int64_t at_lo) {
+      if (2 * at_lo > cn) return;
+      if (cand == e.data()) kept.resize(n + 16);
+      cn = keep_at_least(cand, cn, lo, kept.data());
+      cand = kept.data();
+    };
     if (by_k) {  // the largest threshold that keeps at least k tokens
       int32_t lo = 0, hi = one;
       while (lo < hi) {
         const int32_t mid = lo + (hi - lo + 1) / 2;
-        at_least(e.data(), n, mid, count, mass);
-        if (count >= top_k) lo = mid; else hi = mid - 1;
+        at_least(cand, cn, mid, count, mass);
+        if (count >= top_k) {
+          lo = mid;
+          narrow(lo, count);
+        } else {
+          hi = mid - 1;
+        }
       }
       tau = lo;
     }
     if (by_p) {  // the largest threshold whose tokens hold top_p of what top-k kept
-      at_least(e.data(), n, tau, count, mass);
+      at_least(cand, cn, tau, count, mass);
+      narrow(tau, count);
       const double need = static_cast<double>(top_p) * mass;
       int32_t lo = tau, hi = one;
       while (lo < hi) {
         const int32_t mid = lo + (hi - lo + 1) / 2;
-        at_least(e.data(), n, mid, count, mass);
-        if (mass >= need) lo = mid; else hi = mid - 1;
+        at_least(cand, cn, mid, count, mass);
+        if (mass >= need) {
+          lo = mid;
+          narrow(lo, count);
+        } else {
+          hi = mid - 1;
+        }
       }
       tau = lo;
     }
@@ -562,8 +617,9 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::T
     using T = decltype(tag);
     const T* xp = logits.data_ptr<T>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      std::vector<float> e, bsum;
-      for (int64_t r = r0; r < r1; ++r) op[r] = sample_row<T>(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], up[r], e, bsum);
+      std::vector<float> e, bsum, kept;
+      for (int64_t r = r0; r < r1; ++r)
+        op[r] = sample_row<T>(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], up[r], e, bsum, kept);
     });
   });
   return out;
