@@ -72,8 +72,8 @@ def test_repeats_get_medians_and_per_repeat_ratios() -> None:
             row(vllm, "vllm-all-cores", 3, 240.0, 200.0), row("ferry serve", "ferry", 3, 240.0, 220.0)]
     text = board({"meta": meta, "gemm_limits": {}, "servers": rows})
     assert f"| {vllm} #2 | bfloat16 | 200.0 |" in text  # every run keeps its own row
-    assert f"| {vllm} | bfloat16 | 240.0 (200.0-250.0) | 0.3 s | 1.20x, 1.30x, 1.00x | 1.20x |" in text
-    assert "| ferry serve | bfloat16 | 260.0 (240.0-300.0) | 0.3 s |  |  |" in text
+    assert f"| {vllm} | bfloat16 | 240.0 (200.0-250.0) | 300 ms | 1.20x, 1.30x, 1.00x | 1.20x |" in text
+    assert "| ferry serve | bfloat16 | 260.0 (240.0-300.0) | 280 ms |  |  |" in text
     # one repeat: the board as before, no summary
     single = board({"meta": meta, "gemm_limits": {}, "servers": [r for r in rows if r["repeat"] == 1]})
     assert "Medians over the repeats" not in single and "#1" not in single
