@@ -527,36 +527,29 @@ static int64_t sample_row(const T* x, int64_t n, float inv_t, int64_t top_k, flo
       cn = keep_at_least(cand, cn, lo, kept.data());
       cand = kept.data();
     };
-    if (by_k) {  // the largest threshold that keeps at least k tokens
-      int32_t lo = 0, hi = one;
+    // The largest threshold in [lo, one] whose tokens (count, mass) still satisfy `keeps`,
+    // which holds at lo.
+    auto bisect = [&](int32_t lo, auto keeps) {
+      int32_t hi = one;
       while (lo < hi) {
         const int32_t mid = lo + (hi - lo + 1) / 2;
         at_least(cand, cn, mid, count, mass);
-        if (count >= top_k) {
+        if (keeps(count, mass)) {
           lo = mid;
           narrow(lo, count);
         } else {
           hi = mid - 1;
         }
       }
-      tau = lo;
-    }
-    if (by_p) {  // the largest threshold whose tokens hold top_p of what top-k kept
+      return lo;
+    };
+    if (by_k)  // at least k tokens
+      tau = bisect(0, [&](int64_t c, double) { return c >= top_k; });
+    if (by_p) {  // top_p of the mass that top-k kept
       at_least(cand, cn, tau, count, mass);
       narrow(tau, count);
       const double need = static_cast<double>(top_p) * mass;
-      int32_t lo = tau, hi = one;
-      while (lo < hi) {
-        const int32_t mid = lo + (hi - lo + 1) / 2;
-        at_least(cand, cn, mid, count, mass);
-        if (mass >= need) {
-          lo = mid;
-          narrow(lo, count);
-        } else {
-          hi = mid - 1;
-        }
-      }
-      tau = lo;
+      tau = bisect(tau, [&](int64_t, double m) { return m >= need; });
     }
     if (by_min_p) {
       int32_t b;
