@@ -33,7 +33,6 @@ where requests went.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
 import logging
@@ -187,8 +186,13 @@ class EnginePool:
         self._closing = True  # a closing gateway fails its requests; it does not re-route them
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            # Bounded, and the loop also reads `_closing`: asyncio.wait_for (Python 3.11) can
+            # swallow a cancellation that lands as the call it wraps completes, and an unbounded
+            # await then never returns (seen once in CI as a 600 s hang of this close).
+            task, self._task = self._task, None
+            await asyncio.wait({task}, timeout=self.discovery_interval_s + 2.0)
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a loop that ended by itself logs nothing at exit
         for member in list(self.members.values()):
             await member.client.close()
         if self._redis is not None:
@@ -244,7 +248,7 @@ class EnginePool:
         return [json.loads(item) for item in raw if item]
 
     async def _discover_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self.discover()
             except Exception:  # noqa: BLE001 - discovery must never stop; the next round retries

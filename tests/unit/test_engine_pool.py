@@ -227,3 +227,34 @@ def test_each_engine_s_counters_advance_by_its_own_totals() -> None:
     assert value(base, "ferry:num_requests_running", engine="0") == 1
     assert value(base, "ferry:num_requests_running", engine="1") == 0
     assert base.last_stats is not None and base.last_stats.num_running == 1  # the view kept its own
+
+
+def test_close_returns_even_when_discovery_swallows_its_cancellation(fakes: list[FakeScheduler]) -> None:
+    # asyncio.wait_for (Python 3.11) can drop a cancellation that lands as its inner call
+    # completes; a discovery round that swallows it must not keep close() waiting forever.
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        async def run() -> float:
+            pool = make_pool(fakes[:1], redis_url=server.url)
+            rounds = 0
+
+            async def stubborn_discover() -> None:
+                nonlocal rounds
+                rounds += 1
+                try:
+                    await asyncio.sleep(0.05)
+                except asyncio.CancelledError:
+                    pass  # swallowed, as the 3.11 wait_for race does
+
+            pool.discover = stubborn_discover  # type: ignore[method-assign]
+            await pool.start()
+            await until(lambda: rounds >= 1)
+            start = time.monotonic()
+            await asyncio.wait_for(pool.close(), 10.0)
+            return time.monotonic() - start
+
+        assert asyncio.run(run()) < 5.0
+    finally:
+        server.stop()
