@@ -108,21 +108,7 @@ class Sampler:
         # Seam 2 (SEAMS.md): token constraints apply HERE, after penalties and before the
         # greedy/random split, as one call.
         logits = apply_constraints(logits, constraints)
-        greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
-        random_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
-        if not random_rows:  # the common all-greedy batch: no row gathering, no copies
-            tokens = logits.argmax(dim=-1)
-        elif not greedy_rows:
-            tokens = self._draw(logits, params, num_output_tokens)
-        else:
-            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-            idx = torch.tensor(greedy_rows, device=logits.device)
-            tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)
-            idx = torch.tensor(random_rows, device=logits.device)
-            tokens[idx] = self._draw(
-                logits.index_select(0, idx), [params[i] for i in random_rows],
-                [num_output_tokens[i] for i in random_rows],
-            )
+        tokens = self._tokens(logits, params, num_output_tokens, _torch_argmax)
         token_list = tokens.tolist()
         logprobs: list[SampleLogprobs | None] = [None] * len(params)
         if raw_logprobs is not None:
@@ -134,21 +120,27 @@ class Sampler:
         """The kernels straight on the LM head's logits: no float32 copy. The kernels widen
         bfloat16 to float32 exactly, so every token is the one the float32 path draws (the same
         uniforms, taken for the random rows in the same order)."""
+        argmax = self.argmax_rows
+        assert argmax is not None or all(p.temperature > 0.0 for p in params)  # _plain saw to it
+        return self._tokens(logits, params, num_output_tokens, argmax or _torch_argmax).tolist()
+
+    def _tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int],
+                argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Greedy rows through ``argmax``, random rows through ``_draw``; an all-greedy or
+        all-random batch (the common cases) without gathering rows."""
         greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
         if not random_rows:
-            assert self.argmax_rows is not None
-            return self.argmax_rows(logits).tolist()
+            return argmax(logits)
         if not greedy_rows:
-            return self._draw(logits, params, num_output_tokens).tolist()
-        assert self.argmax_rows is not None
-        tokens = torch.empty(len(params), dtype=torch.long)
-        idx = torch.tensor(greedy_rows)
-        tokens[idx] = self.argmax_rows(logits.index_select(0, idx))
-        idx = torch.tensor(random_rows)
+            return self._draw(logits, params, num_output_tokens)
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        idx = torch.tensor(greedy_rows, device=logits.device)
+        tokens[idx] = argmax(logits.index_select(0, idx))
+        idx = torch.tensor(random_rows, device=logits.device)
         tokens[idx] = self._draw(logits.index_select(0, idx), [params[i] for i in random_rows],
                                  [num_output_tokens[i] for i in random_rows])
-        return tokens.tolist()
+        return tokens
 
     def _draw(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
@@ -310,6 +302,10 @@ class Sampler:
 
 
 TOP_P_CANDIDATES = 1024  # a top-p row's candidate set; rows whose top 1024 hold < top_p fall back
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _candidate_width(p: SamplingParams, vocab: int) -> int:
