@@ -146,6 +146,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """One engine's scheduler, or several separated by commas (data parallel)."""
     redis_url: str = ""
     """Redis for API keys, shared rate limits and the engine registry ('': none)."""
+    redis_timeout_s: float = 0.1
+    """Bound on each Redis call from the request path; past it the gateway falls back to local limits."""
     api_key: str = ""
     """A single static API key ('': keys from Redis, or none)."""
     admin_key: str = ""

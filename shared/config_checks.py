@@ -113,6 +113,7 @@ RULES: dict[str, list[Rule]] = {
     "heartbeat_interval_s": [positive],
     "default_rpm": [at_least(0)],
     "scheduler_timeout_s": [positive],
+    "redis_timeout_s": [positive],
     "max_inflight_requests": [at_least(0)],
 }
 

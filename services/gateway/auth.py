@@ -10,7 +10,7 @@ Modes, from the gateway's config:
   (see ratelimit.py), so every gateway sharing the Redis shares one allowance.
   The static key, if also set, keeps working beside them.
 
-Redis outages: each call to Redis is bounded by ``redis_timeout_s`` (100 ms);
+Redis outages: each call to Redis is bounded by ``redis_timeout_s`` (the config's, 100 ms);
 on failure the gateway marks Redis degraded, stops calling it on the request
 path, and admits with per-gateway limits from its cached copy of the key
 records (refreshed every ``refresh_interval_s``), while a background task pings
@@ -95,12 +95,12 @@ def parse_bearer(header: str | None) -> str | None:
 
 class Admission:
     def __init__(self, config: GatewayConfig, gateway_id: str, *,
-                 redis_timeout_s: float = 0.1, refresh_interval_s: float = 10.0,
+                 redis_timeout_s: float | None = None, refresh_interval_s: float = 10.0,
                  reconnect_interval_s: float = 0.5, namespace: str = keystore.DEFAULT_NAMESPACE) -> None:
         self.config = config
         self.gateway_id = gateway_id
         self.layout = Layout(namespace)
-        self.redis_timeout_s = redis_timeout_s
+        self.redis_timeout_s = redis_timeout_s = redis_timeout_s or config.redis_timeout_s
         self.refresh_interval_s = refresh_interval_s
         self.reconnect_interval_s = reconnect_interval_s
         self.local = LocalLimiter()

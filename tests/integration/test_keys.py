@@ -19,7 +19,7 @@ from services.gateway import keys_cli
 from services.gateway.auth import Admission, AdmissionError, Grant
 from services.gateway.keystore import KeyStore, hash_key, redis_auth_enabled, sync_client
 from shared.config import GatewayConfig
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer, free_port
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +44,8 @@ def add_key(url: str, name: str, **limits: int) -> str:
     return secret
 
 
-# The bursts below open one Redis connection per request in flight. On a loaded 2-core CI
-# machine a burst of connects can outlast the production 100 ms budget and the gateway then
-# (rightly) falls back to local limits: these tests are about the shared allowance, not about
-# outage detection (test_keys_redis_down*.py), so they give Redis a budget a busy host can meet.
-BURST_TIMEOUT_S = 2.0
+def gateway(url: str, gateway_id: str) -> Admission:
+    return Admission(GatewayConfig(redis_url=url, redis_timeout_s=BUSY_HOST_REDIS_TIMEOUT_S), gateway_id)
 
 
 async def attempt(admission: Admission, secret: str | None, prompt: int = 1, max_tokens: int = 1) -> Grant | AdmissionError:
@@ -113,7 +110,7 @@ def test_secret_is_stored_only_as_its_hash(url: str) -> None:
 
 
 async def _authorize_once(url: str, secret: str) -> Grant | AdmissionError:
-    admission = Admission(GatewayConfig(redis_url=url), "g1")
+    admission = gateway(url, "g1")
     try:
         return await attempt(admission, secret)
     finally:
@@ -122,7 +119,7 @@ async def _authorize_once(url: str, secret: str) -> Grant | AdmissionError:
 
 def test_redis_keys_grant_name_priority_headers_and_refuse_bad_keys(url: str) -> None:
     async def go() -> dict[str, Any]:
-        admission = Admission(GatewayConfig(redis_url=url), "g1")
+        admission = gateway(url, "g1")
         before = await attempt(admission, None)  # no key was ever added: open
         secret = add_key(url, "dave", priority=-2, rpm=3)
         out: dict[str, Any] = {"before": before, "ok": await attempt(admission, secret),
@@ -152,7 +149,7 @@ def test_429_carries_retry_after_and_ratelimit_headers(url: str) -> None:
     secret = add_key(url, "erin", rpm=2, tpm=1000)
 
     async def go() -> list[Grant | AdmissionError]:
-        admission = Admission(GatewayConfig(redis_url=url), "g1")
+        admission = gateway(url, "g1")
         results = [await attempt(admission, secret, 10, 10) for _ in range(3)]
         await admission.close()
         return results
@@ -176,7 +173,7 @@ def test_two_gateways_share_one_allowance(url: str) -> None:
     secret = add_key(url, "frank", rpm=10)
 
     async def go() -> tuple[int, float]:
-        a, b = Admission(GatewayConfig(redis_url=url), "ga"), Admission(GatewayConfig(redis_url=url), "gb")
+        a, b = gateway(url, "ga"), gateway(url, "gb")
         start = time.monotonic()
         accepted = 0
         for _ in range(15):
@@ -196,7 +193,7 @@ def test_concurrent_authorize_never_exceeds_the_limit(url: str) -> None:
     secret = add_key(url, "grace", rpm=25, tpm=0)
 
     async def go() -> tuple[int, float]:
-        gateways = [Admission(GatewayConfig(redis_url=url), f"g{i}", redis_timeout_s=BURST_TIMEOUT_S)
+        gateways = [gateway(url, f"g{i}")
                     for i in range(3)]
         start = time.monotonic()
         results = await asyncio.gather(*(attempt(gateways[i % 3], secret) for i in range(90)))
@@ -216,7 +213,7 @@ def test_token_reservation_is_reconciled_with_real_usage(url: str) -> None:
     secret = add_key(url, "heidi", tpm=100)
 
     async def go() -> list[Any]:
-        a, b = Admission(GatewayConfig(redis_url=url), "ga"), Admission(GatewayConfig(redis_url=url), "gb")
+        a, b = gateway(url, "ga"), gateway(url, "gb")
         out: list[Any] = []
         first = await attempt(a, secret, 10, 50)  # reserves 60
         out.append(first)
@@ -255,7 +252,7 @@ def test_concurrent_reservations_and_refunds_add_up(url: str) -> None:
     secret = add_key(url, "jack", tpm=1000)
 
     async def go() -> tuple[list[Grant | AdmissionError], Grant | AdmissionError, dict[str, Any]]:
-        admission = Admission(GatewayConfig(redis_url=url), "g1", redis_timeout_s=BURST_TIMEOUT_S)
+        admission = gateway(url, "g1")
         grants = await asyncio.gather(*(attempt(admission, secret, 10, 40) for _ in range(20)))
         await asyncio.gather(*(admission.record_usage(g, 10) for g in grants if isinstance(g, Grant)))
         after = await attempt(admission, secret, 10, 40)

@@ -83,3 +83,17 @@ def test_unreachable_redis_at_start_refuses_quickly_with_503_and_reports_degrade
     assert health["redis"] == "degraded"
     assert health["auth"] == "unknown"
     assert static.key_name == "static"
+
+
+def test_the_redis_budget_comes_from_the_config_unless_given() -> None:
+    async def go() -> tuple[float, float, float]:
+        url = f"redis://127.0.0.1:{free_port()}/0"
+        budgets = []
+        for admission in (Admission(GatewayConfig(redis_url=url), "g1"),
+                          Admission(GatewayConfig(redis_url=url, redis_timeout_s=0.7), "g2"),
+                          Admission(GatewayConfig(redis_url=url, redis_timeout_s=0.7), "g3", redis_timeout_s=0.3)):
+            budgets.append(admission.redis_timeout_s)
+            await admission.close()
+        return budgets[0], budgets[1], budgets[2]
+
+    assert asyncio.run(go()) == (0.1, 0.7, 0.3)

@@ -8,7 +8,7 @@ from typing import Any
 from services.gateway.auth import Admission, AdmissionError
 from services.gateway.keystore import KeyStore, sync_client
 from shared.config import GatewayConfig
-from tests.redis_server import RedisServer
+from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer
 
 
 async def outcome(admission: Admission, header: str | None) -> int:
@@ -25,7 +25,7 @@ def test_authenticate_follows_the_key_rules_and_charges_nothing() -> None:
         store = KeyStore(sync_client(server.url))
 
         async def go() -> list[Any]:
-            admission = Admission(GatewayConfig(redis_url=server.url), "g1")
+            admission = Admission(GatewayConfig(redis_url=server.url, redis_timeout_s=BUSY_HOST_REDIS_TIMEOUT_S), "g1")
             before = await outcome(admission, None)  # no key in Redis yet: open
             secret, _ = store.add("alice", rpm=1)
             results = [before, await outcome(admission, None), await outcome(admission, "Bearer nope")]
@@ -58,7 +58,7 @@ def test_health_probe_sees_a_stopped_redis_at_once_and_counts_the_keys_redis_hol
         store = KeyStore(sync_client(server.url))
 
         async def go() -> tuple[dict[str, Any], dict[str, Any]]:
-            admission = Admission(GatewayConfig(redis_url=server.url), "g1")
+            admission = Admission(GatewayConfig(redis_url=server.url, redis_timeout_s=BUSY_HOST_REDIS_TIMEOUT_S), "g1")
             await admission.check_now()
             store.add("a")
             store.add("b")
