@@ -25,7 +25,7 @@ from services.gateway import keys_cli
 from services.gateway.registry import EngineRegistry
 from shared.config import GatewayConfig
 from tests.integration.conftest import ServeProcess, wait_for
-from tests.redis_server import RedisServer
+from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,8 @@ def _redis_state(client: httpx.Client, base: str) -> str:
 def test_keys_limits_and_redis_outage_over_http(tiny_model_dir: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     redis = RedisServer(persist=True).start()
-    serve = ServeProcess(tiny_model_dir, tmp_path, ["--redis-url", redis.url])
+    # a busy host's Redis budget (tests/redis_server.py); a killed Redis is a refused connect, seen at once
+    serve = ServeProcess(tiny_model_dir, tmp_path, ["--redis-url", redis.url, "--redis-timeout-s", str(BUSY_HOST_REDIS_TIMEOUT_S)])
     try:
         tight = _add(redis.url, capsys, "tight", "--rpm", "2", "--tpm", "100000", "--priority", "1")
         roomy = _add(redis.url, capsys, "roomy")
@@ -146,7 +147,7 @@ def _redis_child(serve: ServeProcess) -> psutil.Process | None:
 def test_embedded_redis_crash_keeps_keys_and_auth(tiny_model_dir: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """ferry serve restarts its (non-persistent) Redis empty: auth must stay on, keys keep working."""
-    serve = ServeProcess(tiny_model_dir, tmp_path).start()
+    serve = ServeProcess(tiny_model_dir, tmp_path, ["--redis-timeout-s", str(BUSY_HOST_REDIS_TIMEOUT_S)]).start()
     try:
         serve.wait_ready()
         assert keys_cli.main(["--runtime-dir", serve.runtime_dir, "add", "kim", "--rpm", "100"]) == 0
