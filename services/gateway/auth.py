@@ -108,6 +108,7 @@ class Admission:
         self._client = keystore.async_client(config.redis_url, redis_timeout_s) if config.redis_url else None
         self._shared = SharedLimiter(self._client, redis_timeout_s) if self._client else None
         self._consecutive_timeouts = 0
+        self._last_timeout: BaseException | None = None
         self._auth_enabled: bool | None = None  # unknown until Redis answered once
         self._cache: dict[str, KeyRecord] = {}
         self._state = "disabled" if self._client is None else "connecting"
@@ -130,11 +131,18 @@ class Admission:
             if self._static is None:
                 return _open()
             raise _unauthorized(token)
-        if self._state != "degraded":
+        for _ in range(2):
+            if self._state == "degraded":
+                break
             try:
                 return await self._authorize_shared(token, num_prompt_tokens, max_tokens)
             except (TimeoutError, RedisError, OSError) as exc:
                 self._on_failure(exc)
+            if self._decidable_locally(token):
+                break
+            # One timeout, Redis not (yet) marked down, and the cache cannot decide this key
+            # (a cold gateway, or a key it has not seen): the budget may have run out in our
+            # own busy event loop, not in Redis. Ask once more before answering 503.
         return self._authorize_local(token, num_prompt_tokens, max_tokens)
 
     async def is_admin(self, token: str) -> bool:
@@ -353,9 +361,23 @@ class Admission:
 
     # -- Redis health ------------------------------------------------------
 
+    def _decidable_locally(self, token: str | None) -> bool:
+        """Whether the per-gateway path can answer ``token`` from what this gateway knows."""
+        if self._auth_enabled is None:
+            return False
+        if not self._auth_enabled or token is None:
+            return True
+        return keystore.hash_key(token) in self._cache
+
     def _on_failure(self, exc: BaseException) -> None:
-        """A refused or reset connection means Redis is down; one timeout may be our own busy loop."""
+        """A refused or reset connection means Redis is down; one timeout may be our own busy loop.
+
+        The shared limiter sends a burst's calls in one batch and fails all its waiters with
+        the same exception object: that is one timeout, not one per waiter."""
         if isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__:
+            if exc is self._last_timeout:
+                return
+            self._last_timeout = exc
             self._consecutive_timeouts += 1
             if self._consecutive_timeouts < 2:
                 return

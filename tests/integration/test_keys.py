@@ -266,3 +266,44 @@ def test_concurrent_reservations_and_refunds_add_up(url: str) -> None:
     # 20 refunds of 40 came back, then this request reserved 50 (+ a few tokens of refill).
     assert 750 <= int(after.headers["x-ratelimit-remaining-tokens"]) <= 760
     assert health["redis"] == "ok"
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold-cache", "cache-refreshed"])
+def test_one_slow_batch_is_one_timeout_and_a_key_not_cached_yet_is_asked_again(url: str, cold: bool) -> None:
+    """A burst's admissions go to Redis in one batch. When that batch outlasts the budget (on a
+    busy host, often our own event loop) it is one timeout, not one per request: Redis stays
+    "ok". Requests whose key the gateway has cached go on with per-gateway limits; on a cold
+    gateway (no refresh yet) the key is asked about once more instead of refused with a 503."""
+    secret = add_key(url, "erin", rpm=1000)
+
+    async def go() -> tuple[list[Grant | AdmissionError], int, dict[str, Any]]:
+        admission = Admission(GatewayConfig(redis_url=url, redis_timeout_s=0.2), "g1")
+        if cold:
+            admission._ensure_task = lambda: None  # type: ignore[method-assign]  # no watcher, no refresh
+        assert admission._shared is not None
+        shared = admission._shared
+        real_run, batches = shared._run, []
+
+        async def first_batch_hangs(batch: list[Any]) -> list[Any]:
+            batches.append(len(batch))
+            if len(batches) == 1:
+                await asyncio.sleep(30)  # past the budget: the flusher's wait_for gives up
+            return await real_run(batch)
+
+        shared._run = first_batch_hangs  # type: ignore[method-assign]
+        results = await asyncio.gather(*(attempt(admission, secret) for _ in range(50)))
+        health = admission.health()
+        await admission.close()
+        return list(results), len(batches), health
+
+    results, batches, health = asyncio.run(go())
+    refused = [(r.status, r.message) for r in results if isinstance(r, AdmissionError)]
+    assert refused == []
+    assert all(isinstance(r, Grant) and r.key_name == "erin" for r in results)
+    assert health["redis"] == "ok" and "degraded_since" not in health
+    if cold:
+        assert batches == 2  # the hung one, then all fifty again in one
+        assert all(isinstance(r, Grant) and r.shared for r in results)
+    else:
+        assert batches == 1 and health["keys_cached"] == 1
+        assert all(isinstance(r, Grant) and not r.shared for r in results)  # per-gateway limits
