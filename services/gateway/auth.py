@@ -108,7 +108,7 @@ class Admission:
         self._client = keystore.async_client(config.redis_url, redis_timeout_s) if config.redis_url else None
         self._shared = SharedLimiter(self._client, redis_timeout_s) if self._client else None
         self._consecutive_timeouts = 0
-        self._last_timeout: BaseException | None = None
+        self._last_timeout_at: float | None = None  # monotonic time of the last counted timeout
         self._auth_enabled: bool | None = None  # unknown until Redis answered once
         self._cache: dict[str, KeyRecord] = {}
         self._state = "disabled" if self._client is None else "connecting"
@@ -134,15 +134,17 @@ class Admission:
         for _ in range(2):
             if self._state == "degraded":
                 break
+            started = time.monotonic()
             try:
                 return await self._authorize_shared(token, num_prompt_tokens, max_tokens)
             except (TimeoutError, RedisError, OSError) as exc:
-                self._on_failure(exc)
+                self._on_failure(exc, started)
             if self._decidable_locally(token):
                 break
             # One timeout, Redis not (yet) marked down, and the cache cannot decide this key
             # (a cold gateway, or a key it has not seen): the budget may have run out in our
-            # own busy event loop, not in Redis. Ask once more before answering 503.
+            # own busy event loop, not in Redis. Ask once more before answering 503. (If the
+            # first call did reach Redis, the key is charged twice: stricter, never looser.)
         return self._authorize_local(token, num_prompt_tokens, max_tokens)
 
     async def is_admin(self, token: str) -> bool:
@@ -155,11 +157,12 @@ class Admission:
         cached = self._cache.get(key_hash)
         if self._state == "degraded":
             return cached is not None and cached.admin
+        started = time.monotonic()
         try:
             fields = await asyncio.wait_for(self._client.hgetall(self.layout.record(key_hash)),
                                             self.redis_timeout_s * 5)
         except (TimeoutError, RedisError, OSError) as exc:
-            self._on_failure(exc)
+            self._on_failure(exc, started)
             return cached is not None and cached.admin
         if not fields:
             self._cache.pop(key_hash, None)  # revoked
@@ -176,11 +179,12 @@ class Admission:
         if delta == 0:
             return
         if grant.shared and self._state != "degraded" and self._shared is not None:
+            started = time.monotonic()
             try:
                 await self._shared.refund(self.layout.bucket(grant.key_hash, "tok"), grant.tpm, delta)
                 return
             except (TimeoutError, RedisError, OSError) as exc:
-                self._on_failure(exc)
+                self._on_failure(exc, started)
         self.local.refund(grant.key_hash, grant.tpm, delta)
 
     def health(self) -> dict[str, Any]:
@@ -211,25 +215,31 @@ class Admission:
                 raise _unauthorized(token)
             return
         key_hash = keystore.hash_key(token or "")
-        if self._state != "degraded":
+        for _ in range(2):  # asked again once, as in authorize, when only Redis can decide
+            if self._state == "degraded":
+                break
+            started = time.monotonic()
             try:
                 pipe = self._client.pipeline(transaction=False)
                 pipe.exists(self.layout.auth_flag)
                 pipe.exists(self.layout.record(key_hash))
                 enabled, known = await asyncio.wait_for(pipe.execute(), self.redis_timeout_s)
+                self._consecutive_timeouts = 0
                 self._mark_ok()
             except (TimeoutError, RedisError, OSError) as exc:
-                self._on_failure(exc)
-            else:
-                if enabled:
-                    if known and token is not None:
-                        return
-                    raise _unauthorized(token)
-                if not self._auth_enabled:  # no keys in Redis: open, or the static key only
-                    if self._static is None:
-                        return
-                    raise _unauthorized(token)
-                # keys were on and Redis has none now (it lost its data): the cache decides
+                self._on_failure(exc, started)
+                if self._decidable_locally(token):
+                    break
+                continue
+            if enabled:
+                if known and token is not None:
+                    return
+                raise _unauthorized(token)
+            if not self._auth_enabled:  # no keys in Redis: open, or the static key only
+                if self._static is None:
+                    return
+                raise _unauthorized(token)
+            break  # keys were on and Redis has none now (it lost its data): the cache decides
         # Redis is down: the cached records decide, as for generation requests.
         if self._auth_enabled is None:
             raise AdmissionError(503, "API keys cannot be verified: the key store (Redis) is unreachable",
@@ -369,15 +379,17 @@ class Admission:
             return True
         return keystore.hash_key(token) in self._cache
 
-    def _on_failure(self, exc: BaseException) -> None:
+    def _on_failure(self, exc: BaseException, started: float) -> None:
         """A refused or reset connection means Redis is down; one timeout may be our own busy loop.
 
-        The shared limiter sends a burst's calls in one batch and fails all its waiters with
-        the same exception object: that is one timeout, not one per waiter."""
+        Two timeouts in a row mark Redis degraded, counting only calls that *started* after
+        the last counted timeout was seen: a burst's calls in flight together (one batch of
+        the shared limiter, or concurrent lookups) time out together when the event loop or
+        the host is busy, and that is one observation, not one per request."""
         if isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__:
-            if exc is self._last_timeout:
+            if self._last_timeout_at is not None and started <= self._last_timeout_at:
                 return
-            self._last_timeout = exc
+            self._last_timeout_at = time.monotonic()
             self._consecutive_timeouts += 1
             if self._consecutive_timeouts < 2:
                 return

@@ -307,3 +307,60 @@ def test_one_slow_batch_is_one_timeout_and_a_key_not_cached_yet_is_asked_again(u
     else:
         assert batches == 1 and health["keys_cached"] == 1
         assert all(isinstance(r, Grant) and not r.shared for r in results)  # per-gateway limits
+
+
+def test_lookups_that_time_out_together_count_once_and_a_cold_gateway_asks_again(url: str) -> None:
+    """Concurrent key lookups (GET /v1/models and friends) each make their own Redis call; when
+    the host stalls they time out together. That is one timeout, not twenty: Redis stays "ok"
+    and every lookup, asked again once, is answered by Redis instead of a 503."""
+    secret = add_key(url, "fay")
+
+    async def go() -> tuple[list[BaseException | None], int, dict[str, Any]]:
+        admission = Admission(GatewayConfig(redis_url=url, redis_timeout_s=0.2), "g1")
+        admission._ensure_task = lambda: None  # type: ignore[method-assign]  # cold: no watcher, no refresh
+        assert admission._client is not None
+        real_pipeline, executed = admission._client.pipeline, []
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real_pipeline(*args, **kwargs)
+            real_execute = pipe.execute
+
+            async def execute(*a: Any, **k: Any) -> Any:
+                executed.append(1)
+                if len(executed) <= 20:
+                    await asyncio.sleep(30)  # the first twenty stall past the budget
+                return await real_execute(*a, **k)
+
+            pipe.execute = execute  # type: ignore[method-assign]
+            return pipe
+
+        admission._client.pipeline = pipeline  # type: ignore[method-assign]
+
+        async def lookup(header: str) -> BaseException | None:
+            try:
+                await admission.authenticate(header)
+                return None
+            except AdmissionError as exc:
+                return exc
+
+        results = await asyncio.gather(*(lookup(f"Bearer {secret}") for _ in range(19)), lookup("Bearer nope"))
+        health = admission.health()
+        await admission.close()
+        return list(results), len(executed), health
+
+    results, executed, health = asyncio.run(go())
+    assert results[:19] == [None] * 19
+    assert isinstance(results[19], AdmissionError) and results[19].status == 401  # Redis, not a 503
+    assert executed == 40  # twenty stalled, twenty asked again
+    assert health["redis"] == "ok" and "degraded_since" not in health
+
+
+def test_timeouts_count_only_for_calls_started_after_the_last_counted_one(url: str) -> None:
+    admission = Admission(GatewayConfig(redis_url=url), "g1")
+    t0 = time.monotonic()
+    admission._on_failure(TimeoutError(), t0)  # counted: 1
+    admission._on_failure(TimeoutError(), t0)  # in flight with it: not counted
+    assert admission.health()["redis"] == "ok"
+    admission._on_failure(TimeoutError(), time.monotonic())  # a later call: 2 in a row
+    assert admission.health()["redis"] == "degraded"
+    asyncio.run(admission.close())
