@@ -100,7 +100,9 @@ class Admission:
         self.config = config
         self.gateway_id = gateway_id
         self.layout = Layout(namespace)
-        self.redis_timeout_s = redis_timeout_s = redis_timeout_s or config.redis_timeout_s
+        if redis_timeout_s is None:
+            redis_timeout_s = config.redis_timeout_s
+        self.redis_timeout_s = redis_timeout_s
         self.refresh_interval_s = refresh_interval_s
         self.reconnect_interval_s = reconnect_interval_s
         self.local = LocalLimiter()
