@@ -76,13 +76,16 @@ def _sample_metrics(base_url: str, stop: threading.Event, out: list[tuple[float,
 
 
 def check_page_tracks_metrics(page: Any, base_url: str, duration_s: float,
-                              refresh_s: float, slack_s: float = 0.5) -> tuple[int, int]:
+                              refresh_s: float, slack_s: float = 0.5, min_readings: int = 8,
+                              max_s: float = 60.0) -> tuple[int, int]:
     """Compare the page's running/waiting numbers with /metrics sampled in the background.
 
     Each page reading must equal a /metrics reading taken at most one refresh
     (plus ``slack_s`` for delivery and rendering) before it, or just after it.
-    Returns how many page readings were compared and how many distinct
-    (running, waiting) pairs the page showed.
+    Reads for ``duration_s``, and on past it (up to ``max_s``) until ``min_readings``
+    numeric readings were taken: on a loaded 2-core CI machine one ``page.evaluate``
+    can take seconds. Returns how many page readings were compared and how many
+    distinct (running, waiting) pairs the page showed.
     """
     samples: list[tuple[float, float, float]] = []
     stop = threading.Event()
@@ -90,12 +93,17 @@ def check_page_tracks_metrics(page: Any, base_url: str, duration_s: float,
     sampler.start()
     time.sleep(refresh_s + slack_s)  # history for the first page reading to be compared against
     readings: list[tuple[float, float | None, float | None]] = []
-    end = time.monotonic() + duration_s
-    while time.monotonic() < end:
+    start, numeric = time.monotonic(), 0
+    while True:
+        elapsed = time.monotonic() - start
+        if (elapsed >= duration_s and numeric >= min_readings) or elapsed >= max_s:
+            break
         pair = page.evaluate("[document.getElementById('running-count').textContent,"
                              " document.getElementById('waiting-count').textContent]")
         now = time.monotonic()
-        readings.append((now, *(float(v) if v.strip().isdigit() else None for v in pair)))
+        reading = (now, *(float(v) if v.strip().isdigit() else None for v in pair))
+        readings.append(reading)
+        numeric += reading[1] is not None and reading[2] is not None
         time.sleep(0.15)
     time.sleep(0.3)
     stop.set()
