@@ -277,7 +277,7 @@ def test_one_slow_batch_is_one_timeout_and_a_key_not_cached_yet_is_asked_again(u
     secret = add_key(url, "erin", rpm=1000)
 
     async def go() -> tuple[list[Grant | AdmissionError], int, dict[str, Any]]:
-        admission = Admission(GatewayConfig(redis_url=url, redis_timeout_s=0.2), "g1")
+        admission = gateway(url, "g1")
         if cold:
             admission._ensure_task = lambda: None  # type: ignore[method-assign]  # no watcher, no refresh
         assert admission._shared is not None
@@ -287,7 +287,7 @@ def test_one_slow_batch_is_one_timeout_and_a_key_not_cached_yet_is_asked_again(u
         async def first_batch_hangs(batch: list[Any]) -> list[Any]:
             batches.append(len(batch))
             if len(batches) == 1:
-                await asyncio.sleep(30)  # past the budget: the flusher's wait_for gives up
+                await asyncio.sleep(30)  # past the budget: the flusher's wait_for gives up (the retry gets a busy host's budget)
             return await real_run(batch)
 
         shared._run = first_batch_hangs  # type: ignore[method-assign]
@@ -316,7 +316,7 @@ def test_lookups_that_time_out_together_count_once_and_a_cold_gateway_asks_again
     secret = add_key(url, "fay")
 
     async def go() -> tuple[list[BaseException | None], int, dict[str, Any]]:
-        admission = Admission(GatewayConfig(redis_url=url, redis_timeout_s=0.2), "g1")
+        admission = gateway(url, "g1")
         admission._ensure_task = lambda: None  # type: ignore[method-assign]  # cold: no watcher, no refresh
         assert admission._client is not None
         real_pipeline, executed = admission._client.pipeline, []
