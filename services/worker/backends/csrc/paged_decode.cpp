@@ -125,6 +125,36 @@ struct NextRows {
   }
 };
 
+// The rows a grouped-decode work item touches first, in the order it touches them (its keys,
+// its values, then the next item's keys), requested into L2 a fixed distance ahead of use:
+// each row whole, front to back. The kernel's own loads walk a sixteen-token chunk one KV
+// head at a time (a stride of one row) and the value pass sweeps the context once per KV
+// head, orders the hardware prefetcher does not follow; the same bytes read row by row in
+// order come from memory in about two thirds of the time (docs/benchmarks.md, "Decode rows
+// requested in order"). Used for 16-bit caches; a float8 cache's kernel is bound by its
+// conversions, and the NextRows above is the cheaper there.
+struct RowStream {
+  const char *k, *v;
+  const int64_t *off, *next;  // this item's row offsets and the next item's, in cache elements
+  int64_t len, next_len, pos, elem, bytes;  // pos: rows requested so far, of 2 * len + next_len
+  template <typename cache_t>
+  RowStream(const cache_t* kc, const cache_t* vc, const int64_t* off_, int64_t len_, const int64_t* next_,
+            int64_t next_len_, int64_t span_elems, int64_t already)
+      : k(reinterpret_cast<const char*>(kc)), v(reinterpret_cast<const char*>(vc)), off(off_), next(next_), len(len_),
+        next_len(next_ ? next_len_ : 0), pos(std::min(already, len_)), elem(sizeof(cache_t)),
+        bytes(span_elems * static_cast<int64_t>(sizeof(cache_t))) {}
+  // Request every row before position i of the sequence (keys, values, next keys).
+  inline void upto(int64_t i) {
+    for (const int64_t e = std::min(i, 2 * len + next_len); pos < e; ++pos) {
+      const char* r = pos < len ? k + off[pos] * elem : pos < 2 * len ? v + off[pos - len] * elem
+                                                                      : k + next[pos - 2 * len] * elem;
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
+    }
+  }
+  // The next item's key rows already requested: where its own stream starts.
+  inline int64_t carried() const { return std::max<int64_t>(0, pos - 2 * len); }
+};
+
 // A thread's grouped-decode work items [begin, end) in order: item = request n's KV heads
 // from kv0 (all of them when `rows`, else one: `per` items per request). Each item's row
 // offsets (padded to 32) are computed one item ahead into s.next, so `run(n, kv0, next_len)`
@@ -272,6 +302,7 @@ static inline __m512i query32bf(const scalar_t* p, float up) {
 struct HeadScratch {
   std::vector<int64_t> off, next;  // each context token's row in the cache (element offset): this item's, the next's
   std::vector<float> scores;
+  int64_t carried = 0;  // this item's key rows the last item's RowStream already requested
 };
 
 
@@ -286,12 +317,14 @@ struct HeadScratch {
 //
 // `off`: the rows of this item's context (row_offsets, padded to 32: past the context the
 // first token's row, whose scores are masked to -inf, so every sixteen-token pass has a fixed
-// length). `next`, `next_len`: the next work item's rows, requested into L2 a few tokens per
-// scoring pass, spread over this item's key pass: a step's KV is read from memory request by
-// request, and without this each request's first lines wait on memory while nothing else is
-// in flight (docs/benchmarks.md: 17-27 % less time per step on fresh and scattered layouts,
-// the cache-resident case unchanged). A burst of the whole next item at once stalled the
-// core on its miss buffers and gained nothing.
+// length). `next`, `next_len`: the next work item's rows. A step's KV is read from memory
+// request by request, and without software prefetch each request's first lines wait on memory
+// while nothing else is in flight. A 16-bit cache requests its rows in the order they are first
+// touched, a little ahead (RowStream: this item's keys, its values, then the next item's first
+// keys; about 12 % less time per step than NextRows on a fresh server's layout, 7 % on
+// scattered blocks). A float8 cache requests the next item's rows a few tokens per scoring
+// pass (NextRows: 17-27 % less than no prefetch; RowStream was slower there). A burst of the
+// whole next item at once stalled the core on its miss buffers and gained nothing.
 template <typename scalar_t, typename cache_t, int64_t NV, int64_t G, bool BF16DOT>
 static inline void decode_group(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int64_t* off,
                                 int64_t len, scalar_t* out, int64_t nkv, float scale, HeadScratch& s,
@@ -304,12 +337,18 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
   constexpr bool SCALED = BF16DOT && std::is_same_v<cache_t, c10::Float8_e4m3fn>;
   const float up = SCALED ? FP8_UP : 1.f, back = SCALED ? FP8_BACK : 1.f;
   const __m512 sc = _mm512_set1_ps(scale * back), ninf = _mm512_set1_ps(-INFINITY);
-  NextRows pf(kc, vc, next, next_len, nkv * HD);
+  // 16-bit caches: rows requested in order, ROWS_AHEAD rows before their first use (RowStream);
+  // float8: the next item's rows, a few per scoring pass (NextRows)
+  constexpr bool IN_ORDER = sizeof(cache_t) == 2;
+  constexpr int64_t ROWS_AHEAD = 16;
+  NextRows pf(kc, vc, IN_ORDER ? nullptr : next, next_len, nkv * HD);
+  RowStream rs(kc, vc, off, IN_ORDER ? len : 0, next, IN_ORDER ? next_len : 0, nkv * HD, s.carried);
   const int64_t per_pass = (16 + nkv * G - 1) / (nkv * G) + 1;  // a little ahead of this item's pace
   for (int64_t c0 = 0; c0 < len; c0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - c0);
     const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
     for (int64_t k = 0; k < nkv; ++k) {
+      if constexpr (IN_ORDER) rs.upto(c0 + ROWS_AHEAD + 16 * (k + 1) / nkv);  // the chunk's share, spread over its heads
       const scalar_t* qk = q + k * G * HD;
       for (int64_t g = 0; g < G; ++g) {
         [[maybe_unused]] __m512i qb[NV / 2 > 0 ? NV / 2 : 1];
@@ -318,7 +357,7 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
           for (int64_t i = 0; i < NV / 2; ++i) qb[i] = query32bf(qk + g * HD + i * 32, up);
 #endif
         }
-        pf.ahead(per_pass);
+        if constexpr (!IN_ORDER) pf.ahead(per_pass);
         __m512 part[16];
         for (int64_t j = 0; j < 16; ++j) {
           part[j] = _mm512_setzero_ps();
@@ -368,6 +407,9 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
         pb[g] = dst;
       }
       for (int64_t t = 0; t < len; t += 2) {
+        // the first head's sweep is the values' first touch: keep ROWS_AHEAD rows ahead of it,
+        // running on into the next item's keys near its end
+        if (IN_ORDER && k == 0 && (t & 7) == 0) rs.upto(len + t + 8 + ROWS_AHEAD);
         const cache_t* va = vc + off[t] + k * HD;
         const cache_t* vb = vc + off[t + 1] + k * HD;  // past the context: p = 0 for a valid row
         for (int64_t i = 0; i < NP; ++i) {
@@ -395,6 +437,7 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
         for (int64_t v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
       const float* sk = s.scores.data() + k * G * padded;
       for (int64_t t = 0; t < len; ++t) {
+        if (IN_ORDER && k == 0 && (t & 7) == 0) rs.upto(len + t + 8 + ROWS_AHEAD);  // as above
         __m512 vv[NV];
         for (int64_t v = 0; v < NV; ++v) vv[v] = load16(vc + off[t] + k * HD + v * 16);
         for (int64_t g = 0; g < G; ++g) {
@@ -406,6 +449,7 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
         for (int64_t v = 0; v < NV; ++v) store_out(ok + g * HD + v * 16, acc[g][v]);
     }
   }
+  s.carried = rs.carried();
 }
 
 // Few requests: one work item per (request, KV head), so every thread has work; at least
