@@ -321,8 +321,8 @@ struct HeadScratch {
 // request by request, and without software prefetch each request's first lines wait on memory
 // while nothing else is in flight. A 16-bit cache requests its rows in the order they are first
 // touched, a little ahead (RowStream: this item's keys, its values, then the next item's first
-// keys; about 12 % less time per step than NextRows on a fresh server's layout, 7 % on
-// scattered blocks). A float8 cache requests the next item's rows a few tokens per scoring
+// keys; 12-18 % less time per step than NextRows on a fresh server's layout, a few percent
+// on scattered blocks). A float8 cache requests the next item's rows a few tokens per scoring
 // pass (NextRows: 17-27 % less than no prefetch; RowStream was slower there). A burst of the
 // whole next item at once stalled the core on its miss buffers and gained nothing.
 template <typename scalar_t, typename cache_t, int64_t NV, int64_t G, bool BF16DOT>
