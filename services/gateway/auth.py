@@ -226,7 +226,6 @@ class Admission:
                 pipe.exists(self.layout.auth_flag)
                 pipe.exists(self.layout.record(key_hash))
                 enabled, known = await asyncio.wait_for(pipe.execute(), self.redis_timeout_s)
-                self._consecutive_timeouts = 0
                 self._mark_ok()
             except (TimeoutError, RedisError, OSError) as exc:
                 self._on_failure(exc, started)
@@ -286,7 +285,6 @@ class Admission:
         keys = [self.layout.auth_flag, self.layout.record(key_hash),
                 self.layout.bucket(key_hash, "req"), self.layout.bucket(key_hash, "tok")]
         reply = await self._shared.admit(keys, [num_prompt_tokens, max_tokens])
-        self._consecutive_timeouts = 0
         self._mark_ok()
         status = reply[0]
         if status == "open" and self._auth_enabled:
@@ -415,6 +413,8 @@ class Admission:
         self._detail = f"{type(exc).__name__}: {exc}"[:200]
 
     def _mark_ok(self) -> None:
+        """Redis answered: the run of timeouts is over."""
+        self._consecutive_timeouts = 0
         if self._state == "degraded":
             # Only the watcher ends a degraded period; a stray success changes nothing.
             return
