@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,24 @@ def test_logit_bias_and_allowed_token_ids_on_the_wire(client: openai.OpenAI, clu
     assert set(out.choices[0].text) <= {"W", "X"} and len(out.choices[0].text) == 6
 
 
+def _idle_prompt_tokens_after(base_url: str, moment: float) -> float:
+    """The prompt-token total from a stats snapshot taken after ``moment`` (wall time) on an idle engine.
+
+    Gateway metrics follow the scheduler's periodic EngineStats: a read right after a request can show an
+    older snapshot, taken before that request (or an earlier test's) was counted.
+    """
+    seen: dict[str, float] = {}
+
+    def settled() -> bool:
+        seen.update(read_metrics(base_url))
+        return (seen.get("ferry:engine_stats_timestamp_seconds", 0.0) > moment
+                and seen.get("ferry:num_requests_running", 1.0) == 0.0
+                and seen.get("ferry:num_requests_waiting", 1.0) == 0.0)
+
+    wait_for(settled, 60, what="an idle engine's stats snapshot")
+    return seen.get("ferry:prompt_tokens_total", 0.0)
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "objectx"),
@@ -202,17 +221,17 @@ def test_logit_bias_and_allowed_token_ids_on_the_wire(client: openai.OpenAI, clu
     ({"allowed_token_ids": [10 ** 6]}, "outside the vocabulary"),
 ])
 def test_bad_constraints_are_400_before_any_work(cluster: ServeProcess, body: dict[str, Any], needle: str) -> None:
-    # An earlier test's requests may still be finishing (a client-closed stream): start from an idle engine,
-    # so the counter below can only move because of this request.
-    wait_for(lambda: read_metrics(cluster.base_url).get("ferry:num_requests_running", 1.0) == 0.0
-             and read_metrics(cluster.base_url).get("ferry:num_requests_waiting", 1.0) == 0.0, 60,
-             what="an idle engine")
-    before = read_metrics(cluster.base_url).get("ferry:prompt_tokens_total", 0.0)
+    # An earlier test's requests may still be finishing (a client-closed stream), or have finished since the
+    # last stats snapshot: count from a snapshot of an idle engine taken now, so the counter can only move
+    # because of this request.
+    before = _idle_prompt_tokens_after(cluster.base_url, time.time())
     r = httpx.post(f"{cluster.base_url}/v1/chat/completions", trust_env=False, timeout=30,
                    json={"model": cluster.model, "messages": USER, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"], r.json()
-    assert read_metrics(cluster.base_url).get("ferry:prompt_tokens_total", 0.0) == before
+    # A request that wrongly reached the engine is counted at its first token: compare against a snapshot
+    # taken a moment after the answer, once the engine is idle again.
+    assert _idle_prompt_tokens_after(cluster.base_url, time.time() + 0.5) == before
 
 
 def test_worker_restart_mid_grammar_request_gives_the_same_answer(client: openai.OpenAI,
