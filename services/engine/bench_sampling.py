@@ -40,7 +40,7 @@ def cpu_model() -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
     sampler = llm.runner.sampler
-    kernels = (sampler.argmax_rows, sampler.sample_rows)
+    kernels = (sampler.argmax_rows, sampler.sample_rows, sampler.race_rows)
     if kernels[1] is None:
         raise SystemExit("no CPU sampling kernels in this worker (not a CPU, or no C++ compiler): nothing to compare")
     rng = random.Random(args.seed)
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     next_id = 0
     for rnd in range(args.rounds):
         for mode in ("kernels", "torch"):
-            sampler.argmax_rows, sampler.sample_rows = kernels if mode == "kernels" else (None, None)
+            sampler.argmax_rows, sampler.sample_rows, sampler.race_rows = kernels if mode == "kernels" else (None,) * 3
             for _ in range(args.num_prompts):
                 tokens = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
                 sched.add_request(AddRequest(
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs.append(row)
             print(f"round {rnd} {mode:8s} wall {wall:6.2f} s  forward {forward:6.2f} s  sample {sample:5.2f} s  "
                   f"{row['out_tok_s']:6.1f} out tok/s", flush=True)
-    sampler.argmax_rows, sampler.sample_rows = kernels
+    sampler.argmax_rows, sampler.sample_rows, sampler.race_rows = kernels
     return {"command": "python -m services.engine.bench_sampling " + " ".join(args.argv), "model": args.model,
             "dtype": args.dtype, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "threads": args.threads,
             "cpu": cpu_model(), "loadavg": os.getloadavg(), "runs": runs}

@@ -98,7 +98,7 @@ def decode_layer() -> dict[str, float]:
 
 def sampler() -> dict[str, float]:
     """Each case through the PyTorch paths and, when the CPU kernels load, through
-    ``argmax_rows``/``sample_rows`` (greedy and temperature-only rows; the filtered rows
+    ``argmax_rows``/``sample_rows``/``race_rows`` (greedy and temperature-only rows; the filtered rows
     take the same path either way): 8 rows of float32 logits, and a decode step's 64 rows
     of bfloat16 logits."""
     from .fused_ops import kernels
@@ -106,7 +106,8 @@ def sampler() -> dict[str, float]:
     ops = kernels()
     samplers = {"torch": Sampler(torch.device("cpu"))}
     if ops is not None:
-        samplers["kernels"] = Sampler(torch.device("cpu"), argmax_rows=ops.argmax_rows, sample_rows=ops.sample_rows)
+        samplers["kernels"] = Sampler(torch.device("cpu"), argmax_rows=ops.argmax_rows, sample_rows=ops.sample_rows,
+                                      race_rows=ops.race_rows)
     cases = {
         "greedy": SamplingParams(temperature=0.0),
         "temperature 0.8, seeded": SamplingParams(temperature=0.8, seed=1),

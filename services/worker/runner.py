@@ -151,7 +151,8 @@ class ModelRunner:
         # CPU: greedy rows' argmax and random rows' draws through the compiled kernels (sampler.py)
         cpu_ops = fused_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, argmax_rows=cpu_ops.argmax_rows if cpu_ops is not None else None,
-                               sample_rows=cpu_ops.sample_rows if cpu_ops is not None else None)
+                               sample_rows=cpu_ops.sample_rows if cpu_ops is not None else None,
+                               race_rows=cpu_ops.race_rows if cpu_ops is not None else None)
         eos, vocab, model = self.eos_token_ids, self.vocab_size, config.model
         self.constraints = ConstraintTracker(
             lambda: load_tokenizer(tokenizer_dir(resolve_model(model), config.cache_dir), vocab, eos),

@@ -14,28 +14,32 @@ at least ``top_p`` of the mass (checked per row; a row where they do not falls b
 to the whole vocabulary). Noise is drawn only over a row's candidates, as uniforms
 (``uniform_`` then ``-log``: several times cheaper than ``exponential_``).
 
-Seeds: a seeded request draws its noise from a generator seeded by
-``(seed, number of outputs so far)``, over a width that depends only on its own
-parameters and logits, so its stream depends neither on the other requests in
-the batch nor on preemption (a resumed request regenerates the same noise for
-the same output position). Unseeded rows share one generator.
+Seeds: a seeded request's noise for output position k comes from ``(seed, k)`` alone and
+belongs to each token (column j of a whole-vocabulary row is token j's; a candidate row
+gathers its tokens' draws from a vocabulary-wide one), so its stream depends neither on the
+other requests in the batch nor on preemption, and a resumed request (its KV recomputed,
+its logits a few ulps away from the first run's) changes its pick only where the winner
+itself was within those ulps of a contender. Unseeded rows share one generator.
 
 Logprobs are those of the model's raw distribution (log-softmax of the logits
 before penalties and temperature), like vLLM's default.
 
-On the CPU, with the compiled kernels, random rows are drawn by inverse CDF in
-``sample_rows`` instead: one uniform per row (a seeded row's from its own generator, as
-above) rather than one per vocabulary token, and top-k, top-p and min-p as thresholds on
-the row's ``exp((x - max) / T)`` found by bisection, without a sort or ``topk`` (64 rows of
-a 49,152-token vocabulary: 32-48 ms of CPU -> 3-5 ms). Same distributions, except that a
-token tied with the last one a filter keeps is kept too; the token a given seed picks
-differs from the race's.
+On the CPU, with the compiled kernels, unseeded random rows are drawn by inverse CDF in
+``sample_rows`` instead: one uniform per row rather than one per vocabulary token, and top-k,
+top-p and min-p as thresholds on the row's ``exp((x - max) / T)`` found by bisection, without
+a sort or ``topk`` (64 rows of a 49,152-token vocabulary: 32-48 ms of CPU -> 3-5 ms). Same
+distributions, except that a token tied with the last one a filter keeps is kept too. The
+inverse CDF is no good for seeds: its pick moves whenever any earlier token's mass or the
+top-p cut moves by a last bit (about one draw in 1,000 under 1e-6 relative changes of the
+logits). Seeded rows go to ``race_rows``: the same thresholds, then the race with each
+token's noise hashed from (seed key, token id) in the kernel. The token a given seed picks
+differs between the kernels and the PyTorch race.
 
 A batch with nothing to apply before the draw (no penalties, constraints or logprobs; the
 common load's every step, greedy or sampled) skips the float32 copy: greedy rows take their
 argmax straight from the LM head's logits through ``argmax_rows`` (the CPU kernels'
 ``argmax_rows``: torch.argmax's answer, ties and NaNs included, without its scalar
-reduction) and random rows go to ``sample_rows`` as they are (it widens bfloat16 itself).
+reduction) and random rows go to the kernels as they are (they widen bfloat16 themselves).
 Both measured in docs/benchmarks.md, "Sampling on the CPU".
 """
 
@@ -53,9 +57,14 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pa
 _MASK63 = (1 << 63) - 1
 
 
+def seed_key(seed: int, num_output_tokens: int) -> int:
+    """A seeded request's key for one output position: 63 bits, spread apart for nearby pairs."""
+    return ((seed * _SEED_MIX) ^ (num_output_tokens * 0xBF58476D1CE4E5B9 + 1)) & _MASK63
+
+
 def seeded_generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
-    gen.manual_seed(((seed * _SEED_MIX) ^ (num_output_tokens * 0xBF58476D1CE4E5B9 + 1)) & _MASK63)
+    gen.manual_seed(seed_key(seed, num_output_tokens))
     return gen
 
 
@@ -66,6 +75,7 @@ class Sampler:
     def __init__(
         self, device: torch.device, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
         sample_rows: Callable[..., torch.Tensor] | None = None,
+        race_rows: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
@@ -75,6 +85,9 @@ class Sampler:
         # (logits [rows, vocab], float32 1/temperature, int64 top_k, float32 top_p, float32 min_p,
         # float32 uniforms, each [rows]) -> int64 [rows]: the CPU kernels' inverse-CDF draw
         self.sample_rows = sample_rows
+        # the same with int64 keys for the uniforms: the seeded rows' exponential race, its noise
+        # keyed by (key, token id)
+        self.race_rows = race_rows
 
     def _plain(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                constraints: Sequence[RowConstraint | None] | None) -> bool:
@@ -145,29 +158,44 @@ class Sampler:
     def _draw(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
     ) -> torch.Tensor:
-        """One token per row (all rows random): through ``sample_rows`` when the worker has it,
-        else the exponential race."""
+        """One token per row (all rows random): through the CPU kernels when the worker has them
+        (``sample_rows`` for unseeded rows, ``race_rows`` for seeded ones), else the exponential race."""
         sample_rows = self.sample_rows
         if sample_rows is None or logits.device.type != "cpu" or logits.dtype not in ARGMAX_DTYPES:
             return self._race(logits, params, num_output_tokens)
-        vocab = logits.shape[1]
-        f32 = torch.float32
-        return sample_rows(
-            logits.contiguous(),
-            torch.tensor([1.0 / p.temperature for p in params], dtype=f32),
-            torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=torch.long),
-            torch.tensor([p.top_p for p in params], dtype=f32),
-            torch.tensor([p.min_p for p in params], dtype=f32),
-            self._uniforms(params, num_output_tokens),
-        )
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if not seeded:
+            return sample_rows(logits.contiguous(), *self._filters(params, logits.shape[1]),
+                               torch.rand(len(params), generator=self.generator))
+        if len(seeded) == len(params):
+            return self._draw_seeded(logits, params, num_output_tokens)
+        plain = [i for i, p in enumerate(params) if p.seed is None]
+        tokens = torch.empty(len(params), dtype=torch.long)
+        for rows, draw in ((plain, self._draw), (seeded, self._draw_seeded)):
+            idx = torch.tensor(rows)
+            tokens[idx] = draw(logits.index_select(0, idx), [params[i] for i in rows],
+                               [num_output_tokens[i] for i in rows])
+        return tokens
 
-    def _uniforms(self, params: Sequence[SamplingParams], num_outputs: Sequence[int]) -> torch.Tensor:
-        """One uniform in [0, 1) per row: a seeded row's from its own (seed, position) generator."""
-        u = torch.rand(len(params), generator=self.generator)
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                u[i] = torch.rand(1, generator=seeded_generator(p.seed, num_outputs[i], self.device))[0]
-        return u
+    def _draw_seeded(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+    ) -> torch.Tensor:
+        """Seeded CPU rows: the race with each token's noise keyed by (seed, position, token id),
+        in ``race_rows`` when the worker has it."""
+        if self.race_rows is None:
+            return self._race(logits, params, num_output_tokens)
+        keys = torch.tensor([seed_key(p.seed or 0, n) for p, n in zip(params, num_output_tokens, strict=True)],
+                            dtype=torch.long)
+        return self.race_rows(logits.contiguous(), *self._filters(params, logits.shape[1]), keys)
+
+    @staticmethod
+    def _filters(params: Sequence[SamplingParams], vocab: int) -> tuple[torch.Tensor, ...]:
+        """The kernels' per-row 1/temperature, top-k (0: off), top-p and min-p."""
+        f32 = torch.float32
+        return (torch.tensor([1.0 / p.temperature for p in params], dtype=f32),
+                torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=torch.long),
+                torch.tensor([p.top_p for p in params], dtype=f32),
+                torch.tensor([p.min_p for p in params], dtype=f32))
 
     def _race(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
@@ -225,7 +253,7 @@ class Sampler:
         drop |= (cum - probs) >= top_p  # keep the smallest prefix reaching top_p
         drop[:, 0] = False  # the top token always stays
         probs = _min_p(probs.masked_fill(drop, 0.0), params)
-        noise = self._noise(probs.shape, params, widths, num_outputs)
+        noise = self._noise(probs.shape, params, widths, num_outputs, idx, logits.shape[1])
         picked = idx.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
         return picked, [int(i) for i in short.nonzero().flatten().tolist()]
 
@@ -269,15 +297,25 @@ class Sampler:
         return logits
 
     def _noise(
-        self, shape: torch.Size, params: Sequence[SamplingParams], widths: Sequence[int], num_outputs: Sequence[int]
+        self, shape: torch.Size, params: Sequence[SamplingParams], widths: Sequence[int], num_outputs: Sequence[int],
+        token_ids: torch.Tensor | None = None, vocab: int = 0,
     ) -> torch.Tensor:
-        """Exp(1) noise as ``-log U``; a seeded row's first ``widths[i]`` columns come from its
-        own generator (the rest of its row is masked out by the caller)."""
+        """Exp(1) noise as ``-log U``. A seeded row's noise comes from its own generator and
+        belongs to the token: column j is the draw for token j, or for ``token_ids[i, j]`` when
+        the columns are a row's sorted candidates (then ``vocab`` wide is drawn and gathered), so
+        two near-tied candidates that swap ranks under a last-bit change keep their own noise.
+        Columns past ``widths[i]`` are masked out by the caller."""
         noise = torch.empty(shape, device=self.device)
         noise.uniform_(generator=self.generator)
         for i, p in enumerate(params):
-            if p.seed is not None:
-                noise[i, : widths[i]].uniform_(generator=seeded_generator(p.seed, num_outputs[i], self.device))
+            if p.seed is None:
+                continue
+            gen = seeded_generator(p.seed, num_outputs[i], self.device)
+            if token_ids is None:
+                noise[i, : widths[i]].uniform_(generator=gen)
+            else:
+                row = torch.empty(vocab, device=self.device).uniform_(generator=gen)
+                noise[i, : widths[i]] = row[token_ids[i, : widths[i]]]
         return noise.log_().neg_()
 
     @staticmethod

@@ -325,3 +325,65 @@ def test_sample_rows_filters_are_the_thresholds(width: int, filters: tuple[int, 
     assert set(tokens.tolist()) <= set(p.nonzero().flatten().tolist())
     if top_k == 1 or top_p == 0.0:
         assert set(tokens.tolist()) == {int(x[0].float().argmax())}
+
+
+def _race(k: object, x: torch.Tensor, n: int, temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
+          min_p: float = 0.0, first_key: int = 0) -> torch.Tensor:
+    """``race_rows`` on ``n`` copies of the one-row ``x`` with keys first_key, first_key + 1, ..."""
+    return k.race_rows(x.repeat(n, 1), torch.full((n,), 1 / temperature), torch.full((n,), top_k, dtype=torch.long),  # type: ignore[attr-defined]
+                       torch.full((n,), top_p), torch.full((n,), min_p),
+                       torch.arange(first_key, first_key + n, dtype=torch.long))
+
+
+@DTYPES
+@pytest.mark.parametrize("width", [37, 1000])
+@pytest.mark.parametrize("filters", [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.6, 0.0), (20, 0.9, 0.05), (1, 1.0, 0.0),
+                                     (0, 0.0, 0.0)],
+                         ids=["none", "top-k", "top-p", "all three", "top-k 1", "top-p 0"])
+def test_race_rows_draws_the_filtered_softmax(width: int, filters: tuple[int, float, float],
+                                              dtype: torch.dtype) -> None:
+    k = _kernels()
+    top_k, top_p, min_p = filters
+    n = 40_000  # one key per draw: each token's share is its probability, within sampling error
+    x = (torch.randn(1, width, generator=_gen(width + 7)) * 2).to(dtype)
+    x[0, 3] = float("-inf")  # masked (a constraint): never drawn
+    tokens = _race(k, x, n, 0.8, top_k, top_p, min_p)
+    assert tokens.dtype == torch.int64 and tokens.shape == (n,)
+    freq = torch.bincount(tokens, minlength=width).double() / n
+    p = _filtered_probs(x[0], 0.8, top_k, top_p, min_p)
+    bound = 5 * (p * (1 - p) / n).sqrt() + 1 / n  # five standard deviations
+    assert bool(((freq - p).abs() <= bound).all()), (freq - p).abs().max()
+    assert set(tokens.tolist()) <= set(p.nonzero().flatten().tolist())
+    if top_k == 1 or top_p == 0.0:
+        assert set(tokens.tolist()) == {int(x[0].float().argmax())}
+    # a key is a draw: the same key, the same token, in any row of any batch
+    again = k.race_rows(x.repeat(3, 1), torch.full((3,), 1 / 0.8), torch.full((3,), top_k, dtype=torch.long),
+                        torch.full((3,), top_p), torch.full((3,), min_p), torch.tensor([7, 0, 7]))
+    assert again.tolist() == [tokens[7].item(), tokens[0].item(), tokens[7].item()]
+
+
+def test_race_rows_pick_survives_last_bit_changes_of_the_logits() -> None:
+    """The point of the keyed race: a seeded request resumed on recomputed KV sees logits a
+    few ulps away from the first run's, and must draw the same tokens. (The inverse CDF moves
+    its pick whenever an earlier token's mass or the top-p cut moves: ``sample_rows`` on these
+    rows with one uniform each changed 6 of 2,000 picks when this test was written.)"""
+    k = _kernels()
+    n, width = 2000, 8192
+    x = torch.randn(n, width, generator=_gen(3)) * 1.2  # a random-weight model's flat logits
+    nudged = x * (1 + torch.randn(n, width, generator=_gen(4)) * 1e-5)
+    filters = (torch.full((n,), 1 / 0.9), torch.zeros(n, dtype=torch.long), torch.full((n,), 0.95), torch.zeros(n))
+    keys = torch.arange(n, dtype=torch.long)
+    assert torch.equal(k.race_rows(x, *filters, keys), k.race_rows(nudged, *filters, keys))
+
+
+def test_race_rows_edges() -> None:
+    k = _kernels()
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, nan, 3.0, nan],       # a NaN: the first NaN, as argmax answers
+                      [-inf, -inf, -inf, -inf],   # nothing to draw: 0
+                      [0.0, 5.0, 1.0, 4.0],       # temperature 1e-4: the argmax
+                      [-inf, 5.0, -inf, -inf]])   # one token left
+    got = k.race_rows(x, torch.tensor([1.0, 1.0, 1e4, 1.0]), *_no_filters(4), torch.tensor([1, 2, 3, 4]))
+    assert got.tolist() == [1, 0, 1, 1]
+    with pytest.raises(RuntimeError, match="one per row"):
+        k.race_rows(x, torch.ones(4), *_no_filters(4), torch.tensor([1, 2]))

@@ -487,21 +487,20 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// Sampling one row by inverse CDF over e = exp((x - max) / T): the first token whose running
-// sum of e passes u times the kept total. One uniform per row where the exponential race
-// (argmax p / E) needs one per token. The filters are thresholds on e (e of the top token
-// is 1): top-k keeps the tokens at least as likely as the k-th, top-p (over the top-k
-// renormalized distribution, as the sampler defines it) the fewest most likely tokens
+// The filters of one random row on e = exp((x - max) / T) (e of the top token is 1), as
+// thresholds on e: top-k keeps the tokens at least as likely as the k-th, top-p (over the
+// top-k renormalized distribution, as the sampler defines it) the fewest most likely tokens
 // holding top_p of the mass, min-p those at least min_p as likely as the top token; each
 // threshold is found by a bisection over e's bits (searching, once the lower bound has
-// risen, only the elements above it: `kept`), and a token tied with the last one kept
-// is kept too (a sort would cut ties in its own order). The total and the search add the
-// same float block sums in double in the same order, so a u below 1 always lands on a
-// kept token. A row with a NaN answers its first NaN (as argmax does); a row of -inf, 0.
+// risen, only the elements above it: `kept`), and a token tied with the last one kept is
+// kept too (a sort would cut ties in its own order). Fills e (dropped tokens 0) and its
+// 16-element block sums; returns the top token, or -1 when the row is drawable (a row with
+// a NaN answers its first NaN, as argmax does; a row of -inf, 0).
 template <typename T>
-static int64_t sample_row(const T* x, int64_t n, float inv_t, int64_t top_k, float top_p, float min_p, float u,
-                          std::vector<float>& e, std::vector<float>& bsum, std::vector<float>& kept) {
-  const int64_t top = argmax_row<T>(x, n);
+static int64_t filtered_row(const T* x, int64_t n, float inv_t, int64_t top_k, float top_p, float min_p,
+                            std::vector<float>& e, std::vector<float>& bsum, std::vector<float>& kept,
+                            int64_t& top) {
+  top = argmax_row<T>(x, n);
   const float m = static_cast<float>(x[top]);
   if (std::isnan(m) || m == -INFINITY) return top;
   const int64_t blocks = (n + 15) / 16;
@@ -567,6 +566,20 @@ static int64_t sample_row(const T* x, int64_t n, float inv_t, int64_t top_k, flo
       bsum[blk] = acc;
     }
   }
+  return -1;
+}
+
+// Sampling one row by inverse CDF over the filtered e: the first token whose running sum of
+// e passes u times the kept total. One uniform per row where the exponential race (argmax
+// p / E) needs one per token. The total and the search add the same float block sums in
+// double in the same order, so a u below 1 always lands on a kept token.
+template <typename T>
+static int64_t sample_row(const T* x, int64_t n, float inv_t, int64_t top_k, float top_p, float min_p, float u,
+                          std::vector<float>& e, std::vector<float>& bsum, std::vector<float>& kept) {
+  int64_t top;
+  const int64_t early = filtered_row<T>(x, n, inv_t, top_k, top_p, min_p, e, bsum, kept, top);
+  if (early >= 0) return early;
+  const int64_t blocks = (n + 15) / 16;
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) total += bsum[b];
   const double target = static_cast<double>(u) * total;
@@ -586,6 +599,44 @@ static int64_t sample_row(const T* x, int64_t n, float inv_t, int64_t top_k, flo
     cum += bsum[b];
   }
   return top;  // u * total rounded onto the total itself: the likeliest token
+}
+
+// splitmix64's finalizer: a counter-based stream, token j of key k is mix(k + (j + 1) * golden).
+static inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// Sampling one row by the exponential race over the filtered e: argmax e_j / E_j with E_j =
+// -log U_j ~ Exp(1), U_j in (0, 1) from 53 bits of a hash of (key, token id). Exact sampling
+// like the inverse CDF, but a token's noise belongs to the token: the winner changes only if
+// the logits change enough to reorder it against a contender, where the inverse CDF's pick
+// moves whenever any earlier token's mass or the top-p cut moves by a last bit (a seeded
+// request resumed on recomputed KV draws from logits a few ulps away from the first run's).
+template <typename T>
+static int64_t race_row(const T* x, int64_t n, float inv_t, int64_t top_k, float top_p, float min_p, uint64_t key,
+                        std::vector<float>& e, std::vector<float>& bsum, std::vector<float>& kept) {
+  int64_t top;
+  const int64_t early = filtered_row<T>(x, n, inv_t, top_k, top_p, min_p, e, bsum, kept, top);
+  if (early >= 0) return early;
+  // -log U >= 1 - U, so e_j / (1 - U_j) bounds the score from above: a token that cannot beat
+  // the best so far (nearly all of them once a few hundred are seen) costs a hash, no logarithm.
+  double best = -1.0;
+  int64_t pick = top;
+  for (int64_t j = 0; j < n; ++j) {
+    if (e[j] <= 0.f) continue;
+    const double u = (static_cast<double>(mix64(key + static_cast<uint64_t>(j + 1) * 0x9E3779B97F4A7C15ULL) >> 11)
+                      + 0.5) * 0x1.0p-53;
+    const double ej = static_cast<double>(e[j]);
+    if (ej <= best * (1.0 - u)) continue;
+    const double score = ej / -std::log(u);
+    if (score > best) {
+      best = score;
+      pick = j;
+    }
+  }
+  return pick;
 }
 
 // Sampling: row r of `logits` [rows, n] (bfloat16 or float32) drawn from softmax(logits[r] *
@@ -613,6 +664,36 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::T
       std::vector<float> e, bsum, kept;
       for (int64_t r = r0; r < r1; ++r)
         op[r] = sample_row<T>(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], up[r], e, bsum, kept);
+    });
+  });
+  return out;
+}
+
+// Seeded sampling: as sample_rows, by the exponential race with each token's noise keyed by
+// (keys[r], token id) (int64 keys, one per row; the sampler derives a key from a request's
+// seed and output position), so a draw depends on nothing but its own row.
+torch::Tensor race_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::Tensor top_k, torch::Tensor top_p,
+                        torch::Tensor min_p, torch::Tensor keys) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "contiguous [rows, n] logits");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  for (const auto* t : {&inv_temp, &top_p, &min_p})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows,
+                "float32 inv_temp, top_p and min_p, one per row");
+  for (const auto* t : {&top_k, &keys})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == rows,
+                "int64 top_k and keys, one per row");
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  const float *tp = inv_temp.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
+  const int64_t *kp = top_k.data_ptr<int64_t>(), *keyp = keys.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch_float(logits, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = logits.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+      std::vector<float> e, bsum, kept;
+      for (int64_t r = r0; r < r1; ++r)
+        op[r] = race_row<T>(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], static_cast<uint64_t>(keyp[r]), e, bsum,
+                            kept);
     });
   });
   return out;
