@@ -622,18 +622,36 @@ static int64_t race_row(const T* x, int64_t n, float inv_t, int64_t top_k, float
   if (early >= 0) return early;
   // -log U >= 1 - U, so e_j / (1 - U_j) bounds the score from above: a token that cannot beat
   // the best so far (nearly all of them once a few hundred are seen) costs a hash, no logarithm.
-  double best = -1.0;
+  // The hashes and bounds go 16 at a time (loops the compiler vectorizes), and a block none of
+  // whose bounds beats the best is skipped whole: no branch per token (dropped tokens, e = 0,
+  // fall out with the rest since best starts at 0, where a branch on them mispredicts often).
+  constexpr int64_t B = 16;
+  alignas(64) double u[B];
+  alignas(64) double ev[B];
+  double best = 0.0;
   int64_t pick = top;
-  for (int64_t j = 0; j < n; ++j) {
-    if (e[j] <= 0.f) continue;
-    const double u = (static_cast<double>(mix64(key + static_cast<uint64_t>(j + 1) * 0x9E3779B97F4A7C15ULL) >> 11)
-                      + 0.5) * 0x1.0p-53;
-    const double ej = static_cast<double>(e[j]);
-    if (ej <= best * (1.0 - u)) continue;
-    const double score = ej / -std::log(u);
-    if (score > best) {
-      best = score;
-      pick = j;
+  for (int64_t j0 = 0; j0 < n; j0 += B) {
+    const int64_t m = std::min<int64_t>(B, n - j0);
+    for (int64_t i = 0; i < B; ++i) {
+      const uint64_t z = mix64(key + static_cast<uint64_t>(j0 + i + 1) * 0x9E3779B97F4A7C15ULL);
+      u[i] = (static_cast<double>(static_cast<int64_t>(z >> 11)) + 0.5) * 0x1.0p-53;
+    }
+    if (m == B) {
+      for (int64_t i = 0; i < B; ++i) ev[i] = static_cast<double>(e[j0 + i]);
+    } else {
+      for (int64_t i = 0; i < B; ++i) ev[i] = i < m ? static_cast<double>(e[j0 + i]) : 0.0;
+    }
+    bool any = false;
+    for (int64_t i = 0; i < B; ++i) any |= ev[i] > best * (1.0 - u[i]);
+    if (!any) continue;
+    for (int64_t i = 0; i < m; ++i) {
+      const double ej = ev[i];
+      if (ej <= best * (1.0 - u[i])) continue;
+      const double score = ej / -std::log(u[i]);
+      if (score > best) {
+        best = score;
+        pick = j0 + i;
+      }
     }
   }
   return pick;
