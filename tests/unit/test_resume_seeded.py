@@ -10,6 +10,9 @@ silently restart the random stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
 from services.worker.sampler import Sampler
@@ -50,18 +53,38 @@ def generate(sampler: Sampler, prompt: list[int], outputs: list[int], num_tokens
     return outputs
 
 
-def test_a_seeded_request_resumed_at_any_position_continues_exactly() -> None:
+def _pytorch(seed: int) -> Sampler:
+    return Sampler(torch.device("cpu"), seed=seed)
+
+
+def _kernels(seed: int) -> Sampler:
+    """The CPU worker's sampler: seeded rows through ``race_rows``, the neighbour through ``sample_rows``."""
+    from services.worker.fused_ops import kernels
+
+    ops = kernels()
+    if ops is None:
+        pytest.skip("no C++ compiler: the sampler keeps its PyTorch paths")
+    return Sampler(torch.device("cpu"), seed=seed, argmax_rows=ops.argmax_rows, sample_rows=ops.sample_rows,
+                   race_rows=ops.race_rows)
+
+
+SAMPLERS = pytest.mark.parametrize("make", [_pytorch, _kernels], ids=["pytorch", "kernels"])
+
+
+@SAMPLERS
+def test_a_seeded_request_resumed_at_any_position_continues_exactly(make: Callable[[int], Sampler]) -> None:
     prompt = [1, 2, 3]
-    original = generate(Sampler(torch.device("cpu"), seed=0), prompt, [], 24, neighbour=False)
+    original = generate(make(0), prompt, [], 24, neighbour=False)
     assert len(set(original)) > 3  # really random, not a fixed point
     for k in (1, 8, 23):
-        resumed = generate(Sampler(torch.device("cpu"), seed=99), prompt, original[:k], 24 - k, neighbour=True)
+        resumed = generate(make(99), prompt, original[:k], 24 - k, neighbour=True)
         assert resumed == original, f"resumed at output {k}"
 
 
-def test_the_position_is_part_of_the_key() -> None:
+@SAMPLERS
+def test_the_position_is_part_of_the_key(make: Callable[[int], Sampler]) -> None:
     """Sent as a longer prompt (no outputs), the continuation would draw different noise."""
     prompt = [1, 2, 3]
-    original = generate(Sampler(torch.device("cpu"), seed=0), prompt, [], 16, neighbour=False)
-    as_prompt = generate(Sampler(torch.device("cpu"), seed=0), prompt + original[:8], [], 8, neighbour=False)
+    original = generate(make(0), prompt, [], 16, neighbour=False)
+    as_prompt = generate(make(0), prompt + original[:8], [], 8, neighbour=False)
     assert as_prompt != original[8:]
