@@ -30,8 +30,8 @@ top-p and min-p as thresholds on the row's ``exp((x - max) / T)`` found by bisec
 a sort or ``topk`` (64 rows of a 49,152-token vocabulary: 32-48 ms of CPU -> 3-5 ms). Same
 distributions, except that a token tied with the last one a filter keeps is kept too. The
 inverse CDF is no good for seeds: its pick moves whenever any earlier token's mass or the
-top-p cut moves by a last bit (about one draw in 1,000 under 1e-6 relative changes of the
-logits). Seeded rows go to ``race_rows``: the same thresholds, then the race with each
+top-p cut moves by a last bit (2 of 1,000 flat 49,152-token rows under a 1e-6 relative
+change of the logits; none for the race). Seeded rows go to ``race_rows``: the same thresholds, then the race with each
 token's noise hashed from (seed key, token id) in the kernel. The token a given seed picks
 differs between the kernels and the PyTorch race.
 
