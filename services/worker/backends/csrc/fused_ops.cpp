@@ -657,22 +657,28 @@ static int64_t race_row(const T* x, int64_t n, float inv_t, int64_t top_k, float
   return pick;
 }
 
-// Sampling: row r of `logits` [rows, n] (bfloat16 or float32) drawn from softmax(logits[r] *
-// inv_temp[r]) after top_k[r] (int64, 0: off), top_p[r] (1: off) and min_p[r] (0: off), with
-// the uniform u[r] in [0, 1). Exact sampling, as the sampler's exponential race is, without
-// a random number per token and without sorting (sampler.py).
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::Tensor top_k, torch::Tensor top_p,
-                          torch::Tensor min_p, torch::Tensor u) {
+// The checks both draws share: contiguous [rows, n] logits, and float32 inv_temp, top_p and
+// min_p and int64 top_k, one per row. Returns rows.
+static int64_t checked_rows(const torch::Tensor& logits, const torch::Tensor& inv_temp, const torch::Tensor& top_k,
+                            const torch::Tensor& top_p, const torch::Tensor& min_p) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "contiguous [rows, n] logits");
-  const int64_t rows = logits.size(0), n = logits.size(1);
-  for (const auto* t : {&inv_temp, &top_p, &min_p, &u})
+  const int64_t rows = logits.size(0);
+  for (const auto* t : {&inv_temp, &top_p, &min_p})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows,
-                "float32 inv_temp, top_p, min_p and u, one per row");
+                "float32 inv_temp, top_p and min_p, one per row");
   TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == rows,
               "int64 top_k, one per row");
+  return rows;
+}
+
+// The row loop both draws share (checked_rows first): draw(row, n, inv_t, top_k, top_p, min_p,
+// r, scratch...) per row, with per-thread scratch; int64 [rows] out.
+template <typename Draw>
+static torch::Tensor draw_rows(const torch::Tensor& logits, const torch::Tensor& inv_temp, const torch::Tensor& top_k,
+                               const torch::Tensor& top_p, const torch::Tensor& min_p, Draw draw) {
+  const int64_t rows = logits.size(0), n = logits.size(1);
   auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
-  const float *tp = inv_temp.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>(),
-              *up = u.data_ptr<float>();
+  const float *tp = inv_temp.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
   const int64_t* kp = top_k.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   dispatch_float(logits, [&](auto tag) {
@@ -680,11 +686,26 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::T
     const T* xp = logits.data_ptr<T>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       std::vector<float> e, bsum, kept;
-      for (int64_t r = r0; r < r1; ++r)
-        op[r] = sample_row<T>(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], up[r], e, bsum, kept);
+      for (int64_t r = r0; r < r1; ++r) op[r] = draw(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], r, e, bsum, kept);
     });
   });
   return out;
+}
+
+// Sampling: row r of `logits` [rows, n] (bfloat16 or float32) drawn from softmax(logits[r] *
+// inv_temp[r]) after top_k[r] (int64, 0: off), top_p[r] (1: off) and min_p[r] (0: off), with
+// the uniform u[r] in [0, 1). Exact sampling, as the sampler's exponential race is, without
+// a random number per token and without sorting (sampler.py).
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor u) {
+  const int64_t rows = checked_rows(logits, inv_temp, top_k, top_p, min_p);
+  TORCH_CHECK(u.scalar_type() == at::kFloat && u.is_contiguous() && u.numel() == rows, "float32 u, one per row");
+  const float* up = u.data_ptr<float>();
+  return draw_rows(logits, inv_temp, top_k, top_p, min_p,
+                   [up](const auto* x, int64_t n, float inv_t, int64_t k, float p, float mp, int64_t r,
+                        std::vector<float>& e, std::vector<float>& bsum, std::vector<float>& kept) {
+                     return sample_row(x, n, inv_t, k, p, mp, up[r], e, bsum, kept);
+                   });
 }
 
 // Seeded sampling: as sample_rows, by the exponential race with each token's noise keyed by
@@ -692,29 +713,15 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::T
 // seed and output position), so a draw depends on nothing but its own row.
 torch::Tensor race_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::Tensor top_k, torch::Tensor top_p,
                         torch::Tensor min_p, torch::Tensor keys) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "contiguous [rows, n] logits");
-  const int64_t rows = logits.size(0), n = logits.size(1);
-  for (const auto* t : {&inv_temp, &top_p, &min_p})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows,
-                "float32 inv_temp, top_p and min_p, one per row");
-  for (const auto* t : {&top_k, &keys})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == rows,
-                "int64 top_k and keys, one per row");
-  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
-  const float *tp = inv_temp.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
-  const int64_t *kp = top_k.data_ptr<int64_t>(), *keyp = keys.data_ptr<int64_t>();
-  int64_t* op = out.data_ptr<int64_t>();
-  dispatch_float(logits, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = logits.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      std::vector<float> e, bsum, kept;
-      for (int64_t r = r0; r < r1; ++r)
-        op[r] = race_row<T>(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], static_cast<uint64_t>(keyp[r]), e, bsum,
-                            kept);
-    });
-  });
-  return out;
+  const int64_t rows = checked_rows(logits, inv_temp, top_k, top_p, min_p);
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.is_contiguous() && keys.numel() == rows,
+              "int64 keys, one per row");
+  const int64_t* keyp = keys.data_ptr<int64_t>();
+  return draw_rows(logits, inv_temp, top_k, top_p, min_p,
+                   [keyp](const auto* x, int64_t n, float inv_t, int64_t k, float p, float mp, int64_t r,
+                          std::vector<float>& e, std::vector<float>& bsum, std::vector<float>& kept) {
+                     return race_row(x, n, inv_t, k, p, mp, static_cast<uint64_t>(keyp[r]), e, bsum, kept);
+                   });
 }
 
 bool fused_ops_available() { return true; }
