@@ -327,14 +327,6 @@ def test_sample_rows_filters_are_the_thresholds(width: int, filters: tuple[int, 
         assert set(tokens.tolist()) == {int(x[0].float().argmax())}
 
 
-def _race(k: object, x: torch.Tensor, n: int, temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
-          min_p: float = 0.0, first_key: int = 0) -> torch.Tensor:
-    """``race_rows`` on ``n`` copies of the one-row ``x`` with keys first_key, first_key + 1, ..."""
-    return k.race_rows(x.repeat(n, 1), torch.full((n,), 1 / temperature), torch.full((n,), top_k, dtype=torch.long),  # type: ignore[attr-defined]
-                       torch.full((n,), top_p), torch.full((n,), min_p),
-                       torch.arange(first_key, first_key + n, dtype=torch.long))
-
-
 @DTYPES
 @pytest.mark.parametrize("width", [37, 1000])
 @pytest.mark.parametrize("filters", [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.6, 0.0), (20, 0.9, 0.05), (1, 1.0, 0.0),
@@ -347,7 +339,8 @@ def test_race_rows_draws_the_filtered_softmax(width: int, filters: tuple[int, fl
     n = 40_000  # one key per draw: each token's share is its probability, within sampling error
     x = (torch.randn(1, width, generator=_gen(width + 7)) * 2).to(dtype)
     x[0, 3] = float("-inf")  # masked (a constraint): never drawn
-    tokens = _race(k, x, n, 0.8, top_k, top_p, min_p)
+    tokens = k.race_rows(x.repeat(n, 1), torch.full((n,), 1 / 0.8), torch.full((n,), top_k, dtype=torch.long),
+                         torch.full((n,), top_p), torch.full((n,), min_p), torch.arange(n))
     assert tokens.dtype == torch.int64 and tokens.shape == (n,)
     freq = torch.bincount(tokens, minlength=width).double() / n
     p = _filtered_probs(x[0], 0.8, top_k, top_p, min_p)
