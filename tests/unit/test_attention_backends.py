@@ -201,6 +201,46 @@ def test_many_decodes_at_real_head_sizes(backend_name: str, dtype: torch.dtype, 
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+def test_write_kv_rounds_to_float8_as_torch_does(src: torch.dtype) -> None:
+    """A float8 cache takes the model's keys/values as they are and write_kv rounds them
+    itself: byte for byte what ``.to(torch.float8_e4m3fn)`` gives, over every bfloat16 and
+    float16 bit pattern (NaNs, infinities, subnormals, the saturation edge at 448-480) and
+    float32 values around each e4m3 rounding boundary, strided as the step's projections are."""
+    kernel = _cpu_kernels()
+    kv_heads, head_dim = 2, 64
+    if src == torch.float32:
+        fp8_values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        finite = fp8_values[torch.isfinite(fp8_values)].unique()
+        mids = (finite[1:] + finite[:-1]) / 2  # exact ties: nearest even decides
+        base = torch.cat([finite, mids, torch.tensor([448.0, 464.0, 479.9, 480.0, 1e6, float("inf"), float("nan"),
+                                                      1e-9, 2.0**-10, 2.0**-9 * 1.5, 1e-40])])
+        bits = base.view(torch.int32)
+        values = torch.cat([bits + d for d in (-1, 0, 1)]).view(torch.float32)  # either side of each
+        values = torch.cat([values, -values])
+    else:
+        values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(src)
+    width = kv_heads * head_dim
+    pad = -values.numel() % width
+    values = torch.cat([values, torch.zeros(pad, dtype=src)])
+    tokens = values.numel() // width
+    # keys a strided view (heads 3 rows apart in a wider projection), values contiguous
+    wide = torch.zeros(tokens, 3 * width, dtype=src)
+    wide[:, width : 2 * width] = values.view(tokens, width)
+    key = wide[:, width : 2 * width].view(tokens, kv_heads, head_dim)
+    value = values.view(tokens, kv_heads, head_dim).flip(0).contiguous()
+    blocks = -(-tokens // 16)
+    k_cache, v_cache = (torch.zeros(blocks, 16, kv_heads, head_dim, dtype=torch.float8_e4m3fn) for _ in range(2))
+    slots = torch.randperm(blocks * 16, generator=torch.Generator().manual_seed(5))[:tokens]
+    kernel.write_kv(key, value, k_cache, v_cache, slots)
+    for cache, x in ((k_cache, key), (v_cache, value)):
+        got = cache.view(torch.uint8).view(-1, kv_heads, head_dim)[slots]
+        want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(got, want), (got != want).sum()
+    with pytest.raises(RuntimeError, match="cache's dtype"):  # a float8 cache does not take float64
+        kernel.write_kv(key.double(), value.double(), k_cache, v_cache, slots)
+
+
 @pytest.mark.parametrize("dtype,bf16_dot", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
                                             (torch.float32, True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -262,18 +302,22 @@ def test_write_kv_kernel_stores_rows_like_index_copy(dtype: torch.dtype) -> None
         kernel.write_kv(key.to(dtype), value.to(dtype), caches[0], caches[1], slots)
 
 
-@pytest.mark.parametrize("dtype,bf16_dot", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
-                                            (torch.float32, True)])
+@pytest.mark.parametrize("dtype,bf16_dot,fp8", [(torch.bfloat16, True, False), (torch.bfloat16, False, False),
+                                                (torch.float16, True, False), (torch.float32, True, False),
+                                                (torch.bfloat16, True, True), (torch.bfloat16, False, True),
+                                                (torch.float16, True, True), (torch.float32, True, True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torch.dtype, bf16_dot: bool, head_dim: int,
-                                                                      heads: tuple[int, int], block_size: int) -> None:
+def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torch.dtype, bf16_dot: bool, fp8: bool,
+                                                                      head_dim: int, heads: tuple[int, int],
+                                                                      block_size: int) -> None:
     """cpu_paged's kernels for chunks with a cached prefix: queries at positions prefix.. attend
     to every key before them, all read from the paged cache through shuffled block tables.
     Prefixes and chunk lengths on and off the kernels' 16-query and 32/16-key tiles and the
     cache's blocks; bfloat16 through AVX512-BF16 dot products (where the CPU has them) and
-    float32 FMAs; rows outside the spans are left alone."""
+    float32 FMAs; a float8 cache (--kv-cache-dtype fp8) read with queries in the model's dtype,
+    against attention over the float8 values; rows outside the spans are left alone."""
     kernel = _cpu_kernels(prompts=True)
     num_heads, kv_heads = heads
     chunks = [(1, 5), (200, 17), (16, 32), (31, 33), (64, 1), (3, 100)]  # (prefix, chunk length)
@@ -283,15 +327,16 @@ def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torc
     perm = torch.randperm(num_blocks, generator=gen)
     tables = perm[: len(chunks) * width].view(len(chunks), width).to(torch.int32).contiguous()
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)  # garbage where no request wrote
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    k_cache = torch.randn(shape, generator=gen).to(cache_dtype)  # garbage where no request wrote
+    v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
     total = 2 + sum(n for _, n in chunks)
     q = torch.randn(total, num_heads * 2, head_dim, generator=gen).to(dtype)[:, ::2]  # strided heads
     spans, contexts, start = [], [], 2
     for s, (prefix, n) in enumerate(chunks):
         ctx = prefix + n
-        k = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
+        k = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(cache_dtype)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(cache_dtype)
         for p in range(ctx):  # the prefix and the chunk's own keys, as write_kv left them
             k_cache[tables[s, p // block_size], p % block_size] = k[p]
             v_cache[tables[s, p // block_size], p % block_size] = v[p]

@@ -11,10 +11,11 @@ and value once, accumulating in float32. Multi-token chunks that start a prompt
 (a flash-style causal kernel with tiles sized for prompts of a few hundred tokens,
 1.4-1.7x PyTorch's CPU flash kernel there in bfloat16). Chunks with a cached prefix
 (chunked prefill's later chunks, prefix-cache hits) go through the same kernels reading
-every key and value from the paged cache (``prefill_attention_paged``); a float8 cache,
-head sizes other than 64 and 128, and float32 prompts under ``FERRY_CPU_FLOAT32_EXACT=1``
-take the reference's SDPA path (gathering their blocks once per layer). A step's new
-keys and values reach the cache through one C++ call.
+every key and value from the paged cache (``prefill_attention_paged``; a float8 cache's
+values widened exactly as they are read); head sizes other than 64 and 128, and float32
+prompts under ``FERRY_CPU_FLOAT32_EXACT=1`` take the reference's SDPA path (gathering
+their blocks once per layer). A step's new keys and values reach the cache through one
+C++ call, which also rounds them to float8 for a float8 cache.
 
 Both kernels come in AVX-512 and AVX2/FMA versions (``-march=native`` picks one;
 ``kernel_isa()`` says which was built); a CPU with neither decodes through a plain-loop
@@ -179,9 +180,11 @@ class CpuPagedBackend(ReferenceBackend):
         metadata: CpuPagedMetadata,
         scale: float,
     ) -> torch.Tensor:
-        # one C++ call where the reference's write_kv takes two index_copy_ and their views
-        self.kernel.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
-                             metadata.chunks.slot_mapping)
+        # one C++ call where the reference's write_kv takes two index_copy_ and their views; a
+        # float8 cache's rounding (as .to() rounds) happens in that call too
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        self.kernel.write_kv(key if fp8 else key.to(k_cache.dtype), value if fp8 else value.to(v_cache.dtype),
+                             k_cache, v_cache, metadata.chunks.slot_mapping)
         nd = metadata.num_decodes
         # a float8 cache is read with the query in the model's dtype
         q = query[:nd].contiguous() if k_cache.dtype == torch.float8_e4m3fn else query[:nd].to(k_cache.dtype).contiguous()
@@ -197,7 +200,8 @@ class CpuPagedBackend(ReferenceBackend):
         elif metadata.fresh_spans is not None:  # another head size, or float32 as transformers computes it
             fresh = [PrefillSpan(int(a), int(b), 0, None, None) for a, b in metadata.fresh_spans.tolist()]
             self._prefills_forward(query, key, value, k_cache, v_cache, fresh, scale, out)
-        if (metadata.prefix_spans is not None and k_cache.dtype == query.dtype and query.shape[-1] in (64, 128)
+        if (metadata.prefix_spans is not None and k_cache.dtype in (query.dtype, torch.float8_e4m3fn)
+                and query.shape[-1] in (64, 128)
                 and (query.dtype != torch.float32 or self.float32_prefill)):
             self.kernel.prefill_attention_paged(query, out, k_cache, v_cache, metadata.prefix_spans,
                                                 metadata.prefix_tables, scale, self.bf16_dot)

@@ -286,11 +286,49 @@ constexpr float FP8_BACK = 1048576.f;                         // 2^20 = 2^120 / 
 // biases differ by 120); the other operand carries 2^100 (FP8_UP) so the products land at
 // 2^-20 of their value, far above float32's smallest normal, and the result is scaled back.
 static inline __m512i load32bf(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+#if defined(__AVX512VBMI__)
+// Bytes of `src` picked by `idx` into the high halves of 32 words (vpermb; the low halves get
+// the same bytes), then load32bf's operands in two more instructions: an arithmetic shift right
+// by four puts the seven magnitude bits under the exponent field and copies the sign into bits
+// 11-15, and a mask keeps bit 15 and the magnitude (the low four bits were the low byte's).
+static inline __m512i fp8_words(__m512i src, __m512i idx) {
+  return _mm512_and_si512(_mm512_srai_epi16(_mm512_permutexvar_epi8(idx, src), 4),
+                          _mm512_set1_epi16(static_cast<int16_t>(0x87F0)));
+}
+// vpermb's indices. in_order: word w <- byte w (one row's thirty-two elements in order). lo,
+// hi: two rows (a in bytes 0-31 of the source, b in 32-63) interleaved as _mm512_unpacklo_epi16
+// / _mm512_unpackhi_epi16 of their load32bf operands interleave them: in each 128-bit lane,
+// words 2m and 2m + 1 are a's and b's element 8 * lane + m (+ 4 for hi).
+struct Fp8Index {
+  alignas(64) int8_t in_order[64] = {}, lo[64] = {}, hi[64] = {};
+};
+static constexpr Fp8Index make_fp8_index() {
+  Fp8Index r;
+  for (int w = 0; w < 32; ++w) r.in_order[2 * w] = r.in_order[2 * w + 1] = static_cast<int8_t>(w);
+  for (int lane = 0; lane < 4; ++lane)
+    for (int m = 0; m < 4; ++m) {
+      const int w = 8 * lane + 2 * m;
+      for (int half = 0; half < 2; ++half) {
+        int8_t* idx = half ? r.hi : r.lo;
+        const int e = 8 * lane + m + 4 * half;
+        idx[2 * w] = idx[2 * w + 1] = static_cast<int8_t>(e);
+        idx[2 * w + 2] = idx[2 * w + 3] = static_cast<int8_t>(32 + e);
+      }
+    }
+  return r;
+}
+static constexpr Fp8Index FP8_INDEX = make_fp8_index();
+static inline __m512i load32bf(const c10::Float8_e4m3fn* p) {
+  return fp8_words(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                   _mm512_load_si512(FP8_INDEX.in_order));
+}
+#else
 static inline __m512i load32bf(const c10::Float8_e4m3fn* p) {
   const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 4),
                          _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
 }
+#endif
 // bfloat16 pairs of thirty-two query elements times `up` (a power of two: exact in range).
 template <typename scalar_t>
 static inline __m512i query32bf(const scalar_t* p, float up) {
@@ -350,6 +388,14 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
     for (int64_t k = 0; k < nkv; ++k) {
       if constexpr (IN_ORDER) rs.upto(c0 + ROWS_AHEAD + 16 * (k + 1) / nkv);  // the chunk's share, spread over its heads
       const scalar_t* qk = q + k * G * HD;
+      [[maybe_unused]] alignas(64) uint16_t kbf[SCALED ? 16 * HD : 32];
+      if constexpr (SCALED) {  // float8: the chunk's keys converted once, not once per query head
+#if defined(__AVX512BF16__)
+        for (int64_t j = 0; j < 16; ++j)
+          for (int64_t i = 0; i < NV / 2; ++i)
+            _mm512_store_si512(kbf + j * HD + i * 32, load32bf(kc + off[c0 + j] + k * HD + i * 32));
+#endif
+      }
       for (int64_t g = 0; g < G; ++g) {
         [[maybe_unused]] __m512i qb[NV / 2 > 0 ? NV / 2 : 1];
         if constexpr (BF16DOT) {
@@ -365,7 +411,9 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
           if constexpr (BF16DOT) {
 #if defined(__AVX512BF16__)
             for (int64_t i = 0; i < NV / 2; ++i)
-              part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)qb[i], (__m512bh)load32bf(kp + i * 32));
+              part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)qb[i],
+                                         SCALED ? (__m512bh)_mm512_load_si512(kbf + j * HD + i * 32)
+                                                : (__m512bh)load32bf(kp + i * 32));
 #endif
           } else {
             for (int64_t v = 0; v < NV; ++v)
@@ -406,6 +454,9 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
         }
         pb[g] = dst;
       }
+#if defined(__AVX512VBMI__)
+      [[maybe_unused]] const __m512i pairs_lo = _mm512_load_si512(FP8_INDEX.lo), pairs_hi = _mm512_load_si512(FP8_INDEX.hi);
+#endif
       for (int64_t t = 0; t < len; t += 2) {
         // the first head's sweep is the values' first touch: keep ROWS_AHEAD rows ahead of it,
         // running on into the next item's keys near its end
@@ -413,8 +464,20 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
         const cache_t* va = vc + off[t] + k * HD;
         const cache_t* vb = vc + off[t + 1] + k * HD;  // past the context: p = 0 for a valid row
         for (int64_t i = 0; i < NP; ++i) {
-          const __m512i x = load32bf(va + i * 32), y = load32bf(vb + i * 32);
-          const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x, y), h = (__m512bh)_mm512_unpackhi_epi16(x, y);
+          __m512bh l, h;
+#if defined(__AVX512VBMI__)
+          if constexpr (SCALED) {  // both rows' bytes in one register, interleaved as they convert
+            const __m512i src = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + i * 32))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + i * 32)), 1);
+            l = (__m512bh)fp8_words(src, pairs_lo);
+            h = (__m512bh)fp8_words(src, pairs_hi);
+          } else
+#endif
+          {
+            const __m512i x = load32bf(va + i * 32), y = load32bf(vb + i * 32);
+            l = (__m512bh)_mm512_unpacklo_epi16(x, y), h = (__m512bh)_mm512_unpackhi_epi16(x, y);
+          }
           for (int64_t g = 0; g < G; ++g) {
             const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[g][t / 2]));
             lo[g][i] = _mm512_dpbf16_ps(lo[g][i], p, l);
@@ -752,19 +815,56 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-// The step's new keys and values stored at their cache slots: key/value [T, KH, D] in the
-// cache's dtype (any token and head strides, D contiguous), caches [blocks, block_size, KH,
-// D] contiguous, slots [T] int64 (block * block_size + offset; negative: a padded row,
-// skipped). One call for both caches and every token, where two index_copy_ calls and
-// their views cost ~80 us per layer in Python and dispatch (docs/benchmarks.md).
+// float -> float8 e4m3fn exactly as c10 (torch's .to(torch.float8_e4m3fn)) rounds: nearest even,
+// finite overflow and infinities saturated to +-448, NaN kept NaN, subnormals through a float
+// add. Branch-free, so a loop over a row vectorizes (-fno-trapping-math: the unused arm's
+// arithmetic on large inputs raises no flag anyone reads).
+static inline uint8_t to_e4m3fn(float f) {
+  constexpr uint32_t fp8_max = UINT32_C(1087) << 20;      // 480.0f: the first value past e4m3fn's range
+  constexpr uint32_t denorm_mask = UINT32_C(141) << 23;   // ((127 - 7) + (23 - 3) + 1) << 23
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = u & UINT32_C(0x80000000), a = u ^ sign;
+  float af, mf, df;
+  std::memcpy(&af, &a, 4);
+  std::memcpy(&mf, &denorm_mask, 4);
+  df = af + mf;
+  uint32_t d;
+  std::memcpy(&d, &df, 4);
+  d -= denorm_mask;                                                   // below 2^-6: a subnormal
+  uint32_t n = (a + (UINT32_C(0) - (UINT32_C(120) << 23)) + UINT32_C(0x7FFFF) + ((a >> 20) & 1)) >> 20;
+  n = n == 0x7F ? 0x7E : n;                                           // a carry into NaN's pattern
+  uint32_t r = a < (UINT32_C(121) << 23) ? d : n;
+  r = a >= fp8_max ? (a > UINT32_C(0x7F800000) ? 0x7F : 0x7E) : r;
+  return static_cast<uint8_t>((r & 0xFF) | (sign >> 24));
+}
+
+template <typename scalar_t>
+static inline void rows_to_e4m3fn(const scalar_t* x, uint8_t* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = to_e4m3fn(static_cast<float>(x[i]));
+}
+
+// The step's new keys and values stored at their cache slots: key/value [T, KH, D] (any token
+// and head strides, D contiguous) in the cache's dtype, or, for a float8 (e4m3fn) cache, in
+// float32, bfloat16 or float16, converted here as torch's .to() would (one pass where .to()
+// plus a copy took two, and its dispatch ~50 us per decode layer). Caches [blocks,
+// block_size, KH, D] contiguous, slots [T] int64 (block * block_size + offset; negative: a
+// padded row, skipped). One call for both caches and every token, where two index_copy_
+// calls and their views cost ~80 us per layer in Python and dispatch (docs/benchmarks.md).
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1,
               "key/value: [tokens, kv_heads, head_dim], head_dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes(), "caches: [blocks, block_size, kv_heads, head_dim], contiguous");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              "keys and values in their cache's dtype");
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches: [blocks, block_size, kv_heads, head_dim], contiguous, one dtype");
+  const bool to_fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn && key.scalar_type() != at::kFloat8_e4m3fn;
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
+              (key.scalar_type() == k_cache.scalar_type() ||
+               (to_fp8 && (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16 ||
+                           key.scalar_type() == at::kHalf))),
+              "keys and values in their cache's dtype (or float32/bfloat16/float16 for a float8 cache)");
   const int64_t T = key.size(0), KH = k_cache.size(2), D = k_cache.size(3);
   TORCH_CHECK(key.size(1) == KH && key.size(2) == D && value.size(0) == T && value.size(1) == KH && value.size(2) == D,
               "key/value shapes match the cache's heads");
@@ -773,24 +873,35 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] < num_slots, "slot ", s[t], " past the cache's ", num_slots);
-  const int64_t ke = k_cache.element_size(), ve = v_cache.element_size();
+  const int64_t ke = key.element_size(), ce = k_cache.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(key.data_ptr());
   const char* vp = static_cast<const char*>(value.data_ptr());
-  const int64_t kt = key.stride(0) * ke, kh = key.stride(1) * ke, vt = value.stride(0) * ve, vh = value.stride(1) * ve;
-  auto put = [D, KH](char* dst, const char* src, int64_t head_stride, int64_t elem) {
-    if (head_stride == D * elem) {
-      std::memcpy(dst, src, KH * D * elem);
-    } else {
-      for (int64_t h = 0; h < KH; ++h) std::memcpy(dst + h * D * elem, src + h * head_stride, D * elem);
-    }
+  const int64_t kt = key.stride(0) * ke, kh = key.stride(1) * ke, vt = value.stride(0) * ke, vh = value.stride(1) * ke;
+  auto rows = [&](auto put) {
+    at::parallel_for(0, T, 512, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (s[t] < 0) continue;
+        put(kc + s[t] * KH * D * ce, kp + t * kt, kh);
+        put(vc + s[t] * KH * D * ce, vp + t * vt, vh);
+      }
+    });
   };
-  at::parallel_for(0, T, 512, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (s[t] < 0) continue;
-      put(kc + s[t] * KH * D * ke, kp + t * kt, kh, ke);
-      put(vc + s[t] * KH * D * ve, vp + t * vt, vh, ve);
-    }
+  if (!to_fp8) {
+    return rows([D, KH, ke](char* dst, const char* src, int64_t head_stride) {
+      if (head_stride == D * ke) {
+        std::memcpy(dst, src, KH * D * ke);
+      } else {
+        for (int64_t h = 0; h < KH; ++h) std::memcpy(dst + h * D * ke, src + h * head_stride, D * ke);
+      }
+    });
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv_fp8", [&] {
+    rows([D, KH](char* dst, const char* src, int64_t head_stride) {
+      for (int64_t h = 0; h < KH; ++h)
+        rows_to_e4m3fn(reinterpret_cast<const scalar_t*>(src + h * head_stride), reinterpret_cast<uint8_t*>(dst) + h * D, D);
+    });
   });
 }
+

@@ -133,8 +133,8 @@ inline void softmax_row(const float* sr, int64_t last, float& m, float* lsum, fl
 
 inline float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
 
-template <typename scalar_t, int64_t NV>
-void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
+template <typename scalar_t, typename cache_t, int64_t NV>
+void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                     const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                     float scale) {
   constexpr int64_t D = NV * 16;
@@ -166,8 +166,8 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
         // key tile transposed to [D][BK], value tile as [BK][D], both float32, zero past kn
         std::fill(Kt.begin(), Kt.end(), 0.f);
         for (int64_t c = 0; c < kn; ++c) {
-          const scalar_t* kr = rows.key(item.span, item.start, item.kvh, k0 + c);
-          const scalar_t* vr = rows.value(item.span, item.start, item.kvh, k0 + c);
+          const cache_t* kr = rows.key(item.span, item.start, item.kvh, k0 + c);
+          const cache_t* vr = rows.value(item.span, item.start, item.kvh, k0 + c);
           alignas(64) float tmp[D];
           for (int64_t vv = 0; vv < NV; ++vv) {
             _mm512_store_ps(tmp + vv * 16, load16(kr + vv * 16));
@@ -232,15 +232,19 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
   });
 }
 #if defined(__AVX512BF16__)
+// A cache element's value as bfloat16 bits (exact for float8 e4m3).
+static inline uint16_t bf16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(static_cast<float>(x)).x; }
+
 // bfloat16 on CPUs with AVX512-BF16: Q.K^T and P.V as bf16 dot products (vdpbf16ps, two
 // products per float32 lane and instruction, half the instructions of float32 FMAs), with
 // each chunk's keys and values laid out once per (chunk, KV head) before the work items
 // run, instead of once per query tile: keys as [tile][D/2][BK] pairs of dimensions, values
 // as [tile][BK/2][D] pairs of keys. P is rounded to bfloat16 for P.V, as GPU flash kernels
 // do; the softmax's maximum and sum stay float32. A chunk with a cached prefix (ContextRows
-// paged) lays out its whole context, prefix included, from the cache.
-template <int64_t NV>
-void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, const ContextRows<c10::BFloat16>& rows,
+// paged) lays out its whole context, prefix included, from the cache (a float8 cache's values
+// widened exactly).
+template <typename cache_t, int64_t NV>
+void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows,
                          c10::BFloat16* out, const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads,
                          int64_t num_kv_heads, float scale) {
   constexpr int64_t D = NV * 16, DP = D / 2, TILE = DP * BK;  // uint32 per key tile = uint16 pairs per value tile
@@ -271,11 +275,19 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
       std::fill(kt, kt + TILE, 0u);
       std::fill(vt, vt + 2 * TILE, uint16_t{0});
       for (int64_t c = 0; c < kn; ++c) {
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(rows.key(pn.span, pn.start, pn.kvh, k0 + c));
-        const uint16_t* vr = reinterpret_cast<const uint16_t*>(rows.value(pn.span, pn.start, pn.kvh, k0 + c));
-        for (int64_t p = 0; p < DP; ++p) kt[p * BK + c] = kr[p];
         uint16_t* dst = vt + (c / 2) * 2 * D + (c % 2);
-        for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
+        if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+          const uint32_t* kr = reinterpret_cast<const uint32_t*>(rows.key(pn.span, pn.start, pn.kvh, k0 + c));
+          const uint16_t* vr = reinterpret_cast<const uint16_t*>(rows.value(pn.span, pn.start, pn.kvh, k0 + c));
+          for (int64_t p = 0; p < DP; ++p) kt[p * BK + c] = kr[p];
+          for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
+        } else {  // a float8 cache: every e4m3 value is a bfloat16 too (more exponent and mantissa bits)
+          const cache_t* kr = rows.key(pn.span, pn.start, pn.kvh, k0 + c);
+          const cache_t* vr = rows.value(pn.span, pn.start, pn.kvh, k0 + c);
+          for (int64_t p = 0; p < DP; ++p)
+            kt[p * BK + c] = bf16_bits(kr[2 * p]) | (static_cast<uint32_t>(bf16_bits(kr[2 * p + 1])) << 16);
+          for (int64_t d = 0; d < D; ++d) dst[2 * d] = bf16_bits(vr[d]);
+        }
       }
     }
   });
@@ -359,19 +371,19 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
 
 // One call of the kernel this build has for scalar_t: bfloat16 through AVX512-BF16 dot
 // products where the CPU has them and bf16_dot (else float32 FMAs).
-template <typename scalar_t>
-void run_prefill(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
+template <typename scalar_t, typename cache_t>
+void run_prefill(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                  const int64_t* spans, int64_t cols, int64_t num_spans, int64_t heads, int64_t kv_heads, int64_t dim,
                  float scale, bool bf16_dot) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (bf16_dot) {
-      auto kernel = dim == 64 ? prefill_kernel_bf16<4> : prefill_kernel_bf16<8>;
+      auto kernel = dim == 64 ? prefill_kernel_bf16<cache_t, 4> : prefill_kernel_bf16<cache_t, 8>;
       return kernel(q, q_st, q_sh, rows, out, spans, cols, num_spans, heads, kv_heads, scale);
     }
   }
 #endif
-  auto kernel = dim == 64 ? prefill_kernel<scalar_t, 4> : prefill_kernel<scalar_t, 8>;
+  auto kernel = dim == 64 ? prefill_kernel<scalar_t, cache_t, 4> : prefill_kernel<scalar_t, cache_t, 8>;
   kernel(q, q_st, q_sh, rows, out, spans, cols, num_spans, heads, kv_heads, scale);
 }
 bool prefill_attention_available() { return true; }
@@ -385,8 +397,8 @@ constexpr int64_t BK = 16;  // keys per tile (two vectors of scores)
 // The AVX-512 kernel's scheme (above) in eight-lane vectors, for CPUs without AVX-512: every
 // dtype in float32 FMAs. S = Q K^T four rows x 16 keys per pass (8 accumulators); O += P V
 // two rows x 32 output elements per pass (8 accumulators), the value tile from L1.
-template <typename scalar_t, int64_t NV>
-void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
+template <typename scalar_t, typename cache_t, int64_t NV>
+void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                      const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                      float scale) {
   constexpr int64_t D = NV * 8, CH = 4;
@@ -420,8 +432,8 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const Contex
         // key tile transposed to [D][BK], value tile as [BK][D], both float32, zero past kn
         std::fill(Kt.begin(), Kt.end(), 0.f);
         for (int64_t c = 0; c < kn; ++c) {
-          const scalar_t* kr = rows.key(item.span, item.start, item.kvh, k0 + c);
-          const scalar_t* vr = rows.value(item.span, item.start, item.kvh, k0 + c);
+          const cache_t* kr = rows.key(item.span, item.start, item.kvh, k0 + c);
+          const cache_t* vr = rows.value(item.span, item.start, item.kvh, k0 + c);
           alignas(32) float tmp[D];
           for (int64_t vv = 0; vv < NV; ++vv) {
             _mm256_store_ps(tmp + vv * 8, load8(kr + vv * 8));
@@ -503,17 +515,17 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const Contex
 }
 }  // namespace
 
-template <typename scalar_t>
-void run_prefill(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<scalar_t>& rows, scalar_t* out,
+template <typename scalar_t, typename cache_t>
+void run_prefill(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                  const int64_t* spans, int64_t cols, int64_t num_spans, int64_t heads, int64_t kv_heads, int64_t dim,
                  float scale, bool /*bf16_dot: no AVX512-BF16 here*/) {
-  auto kernel = dim == 64 ? prefill_kernel8<scalar_t, 8> : prefill_kernel8<scalar_t, 16>;
+  auto kernel = dim == 64 ? prefill_kernel8<scalar_t, cache_t, 8> : prefill_kernel8<scalar_t, cache_t, 16>;
   kernel(q, q_st, q_sh, rows, out, spans, cols, num_spans, heads, kv_heads, scale);
 }
 bool prefill_attention_available() { return true; }
 #else
-template <typename scalar_t>
-void run_prefill(const scalar_t*, int64_t, int64_t, const ContextRows<scalar_t>&, scalar_t*, const int64_t*, int64_t,
+template <typename scalar_t, typename cache_t>
+void run_prefill(const scalar_t*, int64_t, int64_t, const ContextRows<cache_t>&, scalar_t*, const int64_t*, int64_t,
                  int64_t, int64_t, int64_t, int64_t, float, bool) {
   TORCH_CHECK(false, "built without AVX-512 or AVX2");
 }
@@ -550,13 +562,15 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
 // Chunks with a cached prefix (chunked prefill's later chunks, prefix-cache hits): every key
 // and value read from the paged cache (the chunk's own already stored by write_kv). query and
 // out as in prefill_attention; caches [blocks, block_size, kv_heads, dim] in the query's
-// dtype; spans [S, 3] int64 (start, end, prefix); block_table [S, max_blocks] int32, span s's row.
+// dtype or float8 e4m3fn (--kv-cache-dtype fp8: widened exactly as they are read); spans [S, 3] int64 (start, end, prefix); block_table [S, max_blocks] int32, span s's row.
 void prefill_attention_paged(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor spans, torch::Tensor block_table, double scale, bool bf16_dot) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && out.is_contiguous() && out.sizes() == query.sizes(),
               "query [tokens, heads, dim], head_dim contiguous; out contiguous, its shape");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == query.scalar_type() &&
-              v_cache.scalar_type() == query.scalar_type(), "query, out and caches in one dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              (fp8 || k_cache.scalar_type() == query.scalar_type()),
+              "query, out and caches in one dtype (or float8 caches)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
               "caches [blocks, block_size, kv_heads, dim], contiguous");
   TORCH_CHECK(spans.scalar_type() == torch::kInt64 && spans.is_contiguous() && spans.dim() == 2 && spans.size(1) == 3,
@@ -573,13 +587,22 @@ void prefill_attention_paged(torch::Tensor query, torch::Tensor out, torch::Tens
   }
   with_prefill_dtype(query.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    ContextRows<scalar_t> rows;
-    rows.k = k_cache.data_ptr<scalar_t>();
-    rows.v = v_cache.data_ptr<scalar_t>();
-    rows.tables = block_table.data_ptr<int32_t>();
-    rows.table_stride = block_table.size(1), rows.block_size = bs, rows.kv_heads = kv_heads, rows.dim = dim;
-    run_prefill<scalar_t>(query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), rows, out.data_ptr<scalar_t>(),
-                          sp, 3, spans.size(0), heads, kv_heads, dim, static_cast<float>(scale), bf16_dot);
+    auto go = [&](auto cache_tag) {
+      using cache_t = decltype(cache_tag);
+      ContextRows<cache_t> rows;
+      rows.k = k_cache.data_ptr<cache_t>();
+      rows.v = v_cache.data_ptr<cache_t>();
+      rows.tables = block_table.data_ptr<int32_t>();
+      rows.table_stride = block_table.size(1), rows.block_size = bs, rows.kv_heads = kv_heads, rows.dim = dim;
+      run_prefill<scalar_t>(query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), rows,
+                            out.data_ptr<scalar_t>(), sp, 3, spans.size(0), heads, kv_heads, dim,
+                            static_cast<float>(scale), bf16_dot);
+    };
+    if (fp8) {
+      go(c10::Float8_e4m3fn{});
+    } else {
+      go(scalar_t{});
+    }
   });
 }
 
