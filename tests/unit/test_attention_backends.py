@@ -367,18 +367,19 @@ def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torc
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4), (16, 2), (14, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("num_decodes", [3, 12])
+@pytest.mark.parametrize("num_decodes", [3, 12, 13])
 def test_decode_kernel_matches_attention(dtype: torch.dtype, bf16_dot: bool, fp8: bool, head_dim: int,
                                          heads: tuple[int, int], block_size: int, num_decodes: int) -> None:
     """cpu_paged's decode kernel on a shuffled cache: group sizes 1-4 and 8 (compiled per group)
     and 7 (the generic path), contexts of 1 token, odd lengths and 15-17, 31-33 and 200 tokens
     (the sixteen-token passes and the two-token value steps), one work item per request (12
-    decodes on 2 threads) and per KV head (3); bfloat16 through AVX512-BF16 dot products (where
+    decodes on 2 threads) and per KV head (3, and 13 where one context is longer than a
+    thread's share of the step); bfloat16 through AVX512-BF16 dot products (where
     the CPU has them) and through float32 FMAs; a float8 (e4m3) cache read with a bfloat16 or
     float32 query, against attention over the float8 values."""
     kernel = _cpu_kernels()
     num_heads, kv_heads = heads
-    lens = [1, 200, 33, 16, 17, 15, 32, 31, 2, 5, 64, 100][:num_decodes]
+    lens = [1, 200, 33, 16, 17, 15, 32, 31, 2, 5, 64, 100, 700][:num_decodes]
     gen = torch.Generator().manual_seed(head_dim + num_heads + block_size)
     max_blocks = -(-max(lens) // block_size)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3

@@ -155,6 +155,38 @@ struct RowStream {
   inline int64_t carried() const { return std::max<int64_t>(0, pos - 2 * len); }
 };
 
+// Work items [0, n) in contiguous ranges of about equal cost, one range per thread, each
+// run by f(begin, end). at::parallel_for splits by count, so a step whose requests have very
+// different context lengths left one thread waiting on the other (a 4,000-token context
+// among short ones: nearly all of it on one thread); the ranges stay contiguous and in order,
+// so each thread's next-item prefetch still follows its own items. An item goes to the range
+// its midpoint falls in.
+template <typename Cost, typename F>
+static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) f(0, n);
+    return;
+  }
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) total += cost(i);
+  std::vector<int64_t> bounds(threads + 1, n);
+  bounds[0] = 0;
+  double acc = 0;
+  for (int64_t i = 0, t = 1; i < n; ++i) {
+    const double c = cost(i);
+    while (t < threads && acc + c / 2 >= total * t / threads) bounds[t++] = i;
+    acc += c;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (bounds[t] < bounds[t + 1]) f(bounds[t], bounds[t + 1]);
+  });
+}
+
+// A work item's cost for parallel_by_cost: its context, plus a little for what every item pays.
+static inline double item_cost(const int32_t* lens, int64_t item, int64_t per) { return lens[item / per] + 16.0; }
+
 // A thread's grouped-decode work items [begin, end) in order: item = request n's KV heads
 // from kv0 (all of them when `rows`, else one: `per` items per request). Each item's row
 // offsets (padded to 32) are computed one item ahead into s.next, so `run(n, kv0, next_len)`
@@ -523,7 +555,7 @@ static void decode_kernel_grouped(const scalar_t* q, const cache_t* kc, const ca
                                   int64_t block_size, int64_t max_blocks, double scale, bool rows) {
   constexpr int64_t HD = NV * 16;
   const int64_t per = rows ? 1 : num_kv_heads;  // work items per request
-  at::parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
+  parallel_by_cost(num_decodes * per, [&](int64_t i) { return item_cost(lens, i, per); }, [&](int64_t begin, int64_t end) {
     HeadScratch s;
     const int64_t nkv = rows ? num_kv_heads : 1;
     for_items_with_next(s, begin, end, bt, lens, max_blocks, block_size, num_kv_heads * HD, HD, per, rows,
@@ -686,7 +718,7 @@ static void decode_kernel_grouped8(const scalar_t* q, const cache_t* kc, const c
                                    int64_t block_size, int64_t max_blocks, double scale, bool rows) {
   constexpr int64_t HD = NV * 8;
   const int64_t per = rows ? 1 : num_kv_heads;
-  at::parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
+  parallel_by_cost(num_decodes * per, [&](int64_t i) { return item_cost(lens, i, per); }, [&](int64_t begin, int64_t end) {
     Scratch8 s;
     const int64_t nkv = rows ? num_kv_heads : 1;
     for_items_with_next(s, begin, end, bt, lens, max_blocks, block_size, num_kv_heads * HD, HD, per, rows,
@@ -698,6 +730,18 @@ static void decode_kernel_grouped8(const scalar_t* q, const cache_t* kc, const c
   });
 }
 #endif
+
+// One work item per request (each token's whole row, every KV head, read at once) when there
+// are at least four requests per thread and no request's context is more than a thread's
+// share of the step's (parallel_by_cost cannot split one item); else one per (request, KV head).
+static bool whole_rows(const torch::Tensor& seq_lens, int64_t head_dim) {
+  const int64_t n = seq_lens.size(0), threads = at::get_num_threads();
+  if (n < 4 * threads || head_dim > 128) return false;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  int64_t total = 0, longest = 0;
+  for (int64_t i = 0; i < n; ++i) total += lens[i], longest = std::max<int64_t>(longest, lens[i]);
+  return longest * threads <= total;
+}
 
 // bf16_dot: a bfloat16 or float8 cache through AVX512-BF16 dot products where the CPU has them.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -725,8 +769,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
       };
 #if defined(__AVX512F__)
       if constexpr (!std::is_same_v<scalar_t, double>) {
-      // Enough requests to keep every thread busy: one item per request.
-      const bool rows = num_decodes >= 4 * at::get_num_threads() && head_dim <= 128;
+      // Enough requests to keep every thread busy, none longer than a thread's share: one item per request.
+      const bool rows = whole_rows(seq_lens, head_dim);
       // bfloat16/float16/float8 caches with the usual group sizes (query heads per KV head) and
       // head sizes: sixteen tokens per scoring pass, the group's accumulators in registers.
       const int64_t group = num_heads / num_kv_heads;
@@ -778,7 +822,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
       }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        const bool rows = num_decodes >= 4 * at::get_num_threads() && head_dim <= 128;
+        const bool rows = whole_rows(seq_lens, head_dim);
         const int64_t group = num_heads / num_kv_heads;
         bool done = false;
         auto grouped = [&](auto nv, auto g) {
