@@ -1,0 +1,51 @@
+"""The pieces of ``services.engine.bench_kernels_ab`` that decide what it reports."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine import bench_kernels_ab as ab
+
+
+def test_alternate_takes_each_rounds_best_of_three_and_the_median_in_alternating_order() -> None:
+    calls: list[str] = []
+    a = itertools.cycle([5.0, 1.0, 9.0, 2.0, 8.0, 3.0, 7.0, 7.0, 7.0])  # bests 1, 2, 7 -> median 2
+    b = itertools.cycle([4.0])
+
+    def fa() -> float:
+        calls.append("a")
+        return next(a)
+
+    def fb() -> float:
+        calls.append("b")
+        return next(b)
+
+    got = ab.alternate({"a": fa, "b": fb}, rounds=3)
+    assert got == {"a": 2.0, "b": 4.0}
+    # round 0: a then b; round 1: b then a; round 2: a then b (three calls each)
+    assert "".join(calls) == "aaabbb" + "bbbaaa" + "aaabbb"
+
+
+def test_tables_for_gives_each_request_its_own_blocks() -> None:
+    lens = [1, 16, 17, 4000]
+    table = ab.tables_for(lens, blocks=400, gen=torch.Generator().manual_seed(0))
+    need = [1, 1, 2, 250]
+    assert table.shape == (4, 250) and table.dtype == torch.int32
+    used = torch.cat([table[i, :k] for i, k in enumerate(need)])
+    assert used.unique().numel() == sum(need) and int(used.max()) < 400
+
+
+def test_same_bits_compares_bytes_not_values() -> None:
+    x = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)
+    assert ab.same_bits(x, x.clone())
+    assert not ab.same_bits(x, torch.tensor([-0.0, 1.0], dtype=torch.bfloat16))  # equal values, other bits
+    assert not ab.same_bits(x, x[:1])
+
+
+def test_refuses_this_tree_as_its_own_base() -> None:
+    with pytest.raises(SystemExit, match="this tree"):
+        ab.main(["--base", str(Path(ab.__file__).resolve().parents[2])])
