@@ -14,7 +14,7 @@ same data in alternating rounds, reporting each one's median over the rounds:
 - ``mixed``: decode steps whose contexts differ widely (one long conversation among short
   ones), where the split of work between threads matters;
 - ``prefill``: fresh prompts through the causal prompt kernel (8 x 200 tokens, 10 x 200 + 48,
-  one 1,000-token prompt, four uneven ones).
+  one 1,000-token prompt, four uneven ones, one of 1,000 tokens beside ten of 100).
 
     git worktree add /tmp/wt_base HEAD~1
     python -m services.engine.bench_kernels_ab --base /tmp/wt_base --out /tmp/b/kernels-ab.json
@@ -28,6 +28,7 @@ a minute). Only kernels both trees have are compared: a tree whose kernel refuse
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -161,7 +162,7 @@ def run_prefill(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[
     rows = []
     gen = torch.Generator().manual_seed(1)
     width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    for lens in ([200] * 8, [200] * 10 + [48], [1000], [37, 300, 5, 129]):
+    for lens in ([200] * 8, [200] * 10 + [48], [1000], [37, 300, 5, 129], [1000] + [100] * 10, [100] * 10 + [1000]):
         total = sum(lens)
         qkv = torch.randn(total, width, generator=gen).to(torch.bfloat16)  # strided views, as the runner has them
         q = qkv[:, : HEADS * HEAD_DIM].view(total, HEADS, HEAD_DIM)
@@ -182,7 +183,8 @@ def run_prefill(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[
             fns[name] = call
         ms = alternate(fns, args.rounds * 2)
         identical = same_bits(outs["base"], outs["this"])
-        label = f"{len(lens)} x {lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens))
+        label = (f"{len(lens)} x {lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens)) if len(lens) < 6
+                 else "+".join(f"{len(list(g))} x {x}" for x, g in itertools.groupby(lens)))
         print(f"prefill bfloat16 {label} tokens: base {ms['base']:.3f} ms, this {ms['this']:.3f} ms "
               f"({ms['this'] / ms['base'] - 1:+.1%}); bit-identical: {identical}", flush=True)
         rows.append({"part": "prefill", "lens": lens, "base_ms": ms["base"], "this_ms": ms["this"],

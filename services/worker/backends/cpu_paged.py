@@ -51,7 +51,7 @@ from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata
 log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h, vec256.h
+SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h, vec256.h, work_split.h
 FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged",
              "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "quant_rows", "dequant_rows", "kernel_isa"]
@@ -89,7 +89,7 @@ def load_extension() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     sources = [p.read_text() for p in SOURCES]
-    header = "".join((CSRC / h).read_text() for h in ("vec512.h", "vec256.h"))
+    header = "".join((CSRC / h).read_text() for h in ("vec512.h", "vec256.h", "work_split.h"))
     march = cpu_march()
     # -fno-trapping-math: no floating-point exception flags to preserve, so the portable
     # loops' selects vectorize; values and rounding are unchanged

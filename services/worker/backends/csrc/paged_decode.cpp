@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 #include <c10/util/Float8_e4m3fn.h>
+#include "work_split.h"
 
 template <typename T>
 struct CacheType { using type = T; };
@@ -154,35 +155,6 @@ struct RowStream {
   // The next item's key rows already requested: where its own stream starts.
   inline int64_t carried() const { return std::max<int64_t>(0, pos - 2 * len); }
 };
-
-// Work items [0, n) in contiguous ranges of about equal cost, one range per thread, each
-// run by f(begin, end). at::parallel_for splits by count, so a step whose requests have very
-// different context lengths left one thread waiting on the other (a 4,000-token context
-// among short ones: nearly all of it on one thread); the ranges stay contiguous and in order,
-// so each thread's next-item prefetch still follows its own items. An item goes to the range
-// its midpoint falls in.
-template <typename Cost, typename F>
-static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1 || at::in_parallel_region()) {
-    if (n > 0) f(0, n);
-    return;
-  }
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) total += cost(i);
-  std::vector<int64_t> bounds(threads + 1, n);
-  bounds[0] = 0;
-  double acc = 0;
-  for (int64_t i = 0, t = 1; i < n; ++i) {
-    const double c = cost(i);
-    while (t < threads && acc + c / 2 >= total * t / threads) bounds[t++] = i;
-    acc += c;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      if (bounds[t] < bounds[t + 1]) f(bounds[t], bounds[t + 1]);
-  });
-}
 
 // A work item's cost for parallel_by_cost: its context, plus a little for what every item pays.
 static inline double item_cost(const int32_t* lens, int64_t item, int64_t per) { return lens[item / per] + 16.0; }

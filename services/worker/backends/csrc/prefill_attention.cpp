@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#include "work_split.h"
 
 // query [T, H, D], key/value [T, KH, D] (any token/head strides, D contiguous); out [T, H, D]
 // contiguous; spans [S, 2] int64 (start, end) of chunks attending causally to their own keys.
@@ -63,6 +64,17 @@ struct PrefillItem { int64_t start, len, kvh, q0, prefix, span; };
       }
   }
   return items;
+}
+
+// A work item's cost for parallel_by_cost: its queries times the keys they attend to, plus a
+// little for what every item pays. Items are split by cost, not count: a chunk after a long
+// cached prefix costs many times a fresh prompt's chunk per query tile.
+[[maybe_unused]] static inline double item_cost(int64_t prefix, int64_t len, int64_t q0, int64_t bq) {
+  const int64_t nq = std::min(bq, len - q0);
+  return static_cast<double>(nq) * static_cast<double>(prefix + q0 + nq) + 64.0;
+}
+[[maybe_unused]] static inline double item_cost(const PrefillItem& item, int64_t bq) {
+  return item_cost(item.prefix, item.len, item.q0, bq);
 }
 
 // Where a chunk's keys and values are. A fresh chunk (no prefix): context position p is row
@@ -141,7 +153,8 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) { return item_cost(items[i], BQ); },
+                   [&](int64_t begin, int64_t end) {
     std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
     std::vector<float> m(rows_max), l(rows_max * 16);
     for (int64_t it = begin; it < end; ++it) {
@@ -297,7 +310,10 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
     const int64_t n = (panels[pi].len + BQ - 1) / BQ;
     for (int64_t z = 0; z < n; ++z) items.push_back({pi, ((z % 2 == 0) ? z / 2 : n - 1 - z / 2) * BQ});
   }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Panel& pn = panels[items[i].panel];
+    return item_cost(pn.prefix, pn.len, items[i].q0, BQ);
+  }, [&](int64_t begin, int64_t end) {
     std::vector<float> O(rows_max * D), S(rows_max * BK), m(rows_max), l(rows_max * 16);
     std::vector<uint32_t> P(rows_max * BK / 2);
     std::vector<const uint32_t*> qrow(rows_max);
@@ -406,7 +422,8 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const Contex
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) { return item_cost(items[i], BQ); },
+                   [&](int64_t begin, int64_t end) {
     std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
     std::vector<float> m(rows_max), l(rows_max);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
