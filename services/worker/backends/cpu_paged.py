@@ -187,7 +187,7 @@ class CpuPagedBackend(ReferenceBackend):
                              k_cache, v_cache, metadata.chunks.slot_mapping)
         nd = metadata.num_decodes
         # a float8 cache is read with the query in the model's dtype
-        q = query[:nd].contiguous() if k_cache.dtype == torch.float8_e4m3fn else query[:nd].to(k_cache.dtype).contiguous()
+        q = query[:nd].contiguous() if fp8 else query[:nd].to(k_cache.dtype).contiguous()
         decoded = self.kernel.paged_decode(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, scale,
                                            self.bf16_dot)
         if nd == query.shape[0]:
