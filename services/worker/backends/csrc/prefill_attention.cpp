@@ -245,6 +245,61 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
   });
 }
 #if defined(__AVX512BF16__)
+// Sixteen rows of sixteen 32-bit words transposed in place: r[j] becomes column j.
+inline void transpose16x16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (r_i, r_i+1) elements 4k, 4k+1 / 4k+2, 4k+3
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + e], lane k: rows g..g+3, element 4k + e
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // 128-bit lanes: column 4k + e = lane k of u[e], u[4 + e], u[8 + e], u[12 + e]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// One bfloat16 key/value tile laid out for prefill_kernel_bf16 in whole vectors: keys as
+// [D/2][BK] pairs of dimensions (16 x 16 word transposes), values as [BK/2][D] pairs of keys
+// (two rows interleaved by vpermt2w); rows at and past kn written as zeros. key(c), value(c):
+// the tile's row c. Eight times fewer instructions than element by element.
+template <int64_t NV, typename K, typename V>
+inline void lay_out_tile_bf16(K&& key, V&& value, int64_t kn, uint32_t* kt, uint16_t* vt) {
+  constexpr int64_t D = NV * 16, DP = D / 2;
+  for (int64_t c0 = 0; c0 < BK; c0 += 16)
+    for (int64_t j = 0; j < DP; j += 16) {
+      __m512i r[16];
+      for (int64_t c = 0; c < 16; ++c)
+        r[c] = c0 + c < kn ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(key(c0 + c)) + j) : _mm512_setzero_si512();
+      transpose16x16(r);
+      for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(kt + (j + p) * BK + c0, r[p]);
+    }
+  alignas(64) static constexpr uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int64_t c = 0; c < BK; c += 2) {
+    uint16_t* dst = vt + c * D;  // pair c / 2: D word pairs
+    for (int64_t i = 0; i < D; i += 32) {
+      const __m512i x = c < kn ? _mm512_loadu_si512(reinterpret_cast<const uint16_t*>(value(c)) + i) : _mm512_setzero_si512();
+      const __m512i y = c + 1 < kn ? _mm512_loadu_si512(reinterpret_cast<const uint16_t*>(value(c + 1)) + i)
+                                   : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_storeu_si512(dst + 2 * i + 32, _mm512_permutex2var_epi16(x, hi, y));
+    }
+  }
+}
+
 // A cache element's value as bfloat16 bits (exact for float8 e4m3).
 static inline uint16_t bf16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(static_cast<float>(x)).x; }
 
@@ -285,16 +340,14 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
       const int64_t t = tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
       uint32_t* kt = Kp.data() + (pn.off + t) * TILE;
       uint16_t* vt = reinterpret_cast<uint16_t*>(Vp.data() + (pn.off + t) * TILE);
-      std::fill(kt, kt + TILE, 0u);
-      std::fill(vt, vt + 2 * TILE, uint16_t{0});
-      for (int64_t c = 0; c < kn; ++c) {
-        uint16_t* dst = vt + (c / 2) * 2 * D + (c % 2);
-        if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
-          const uint32_t* kr = reinterpret_cast<const uint32_t*>(rows.key(pn.span, pn.start, pn.kvh, k0 + c));
-          const uint16_t* vr = reinterpret_cast<const uint16_t*>(rows.value(pn.span, pn.start, pn.kvh, k0 + c));
-          for (int64_t p = 0; p < DP; ++p) kt[p * BK + c] = kr[p];
-          for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
-        } else {  // a float8 cache: every e4m3 value is a bfloat16 too (more exponent and mantissa bits)
+      if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {  // whole vectors, zeros past kn
+        lay_out_tile_bf16<NV>([&](int64_t c) { return rows.key(pn.span, pn.start, pn.kvh, k0 + c); },
+                              [&](int64_t c) { return rows.value(pn.span, pn.start, pn.kvh, k0 + c); }, kn, kt, vt);
+      } else {
+        std::fill(kt, kt + TILE, 0u);
+        std::fill(vt, vt + 2 * TILE, uint16_t{0});
+        for (int64_t c = 0; c < kn; ++c) {  // a float8 cache: every e4m3 value is a bfloat16 too
+          uint16_t* dst = vt + (c / 2) * 2 * D + (c % 2);
           const cache_t* kr = rows.key(pn.span, pn.start, pn.kvh, k0 + c);
           const cache_t* vr = rows.value(pn.span, pn.start, pn.kvh, k0 + c);
           for (int64_t p = 0; p < DP; ++p)
