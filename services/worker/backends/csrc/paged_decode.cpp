@@ -855,10 +855,43 @@ static inline uint8_t to_e4m3fn(float f) {
   return static_cast<uint8_t>((r & 0xFF) | (sign >> 24));
 }
 
+#if defined(__AVX512F__)
+// to_e4m3fn on sixteen lanes, step for step the same arithmetic (so the same bytes). The
+// scalar loop below did not vectorize (0.34-0.58 ns per element: a float8 cache's writes took
+// 3.7-5.7x a bfloat16 cache's copies); this takes about 1.5 instructions per element.
+static inline __m128i to_e4m3fn16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(u, sign);
+  const __m512i denorm_mask = _mm512_set1_epi32(141 << 23);
+  const __m512i d = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm_mask))), denorm_mask);
+  __m512i n = _mm512_add_epi32(_mm512_sub_epi32(a, _mm512_set1_epi32(120 << 23)), _mm512_set1_epi32(0x7FFFF));
+  n = _mm512_srli_epi32(_mm512_add_epi32(n, _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1))), 20);
+  n = _mm512_mask_mov_epi32(n, _mm512_cmpeq_epi32_mask(n, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7E));
+  __m512i r = _mm512_mask_mov_epi32(n, _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(121 << 23)), d);
+  const __m512i sat = _mm512_mask_mov_epi32(_mm512_set1_epi32(0x7E),
+                                            _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7F));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epi32_mask(a, _mm512_set1_epi32(1087 << 20)), sat);
+  r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xFF)), _mm512_srli_epi32(sign, 24));
+  return _mm512_cvtepi32_epi8(r);
+}
+static inline __m512 widen16(const float* x) { return _mm512_loadu_ps(x); }
+static inline __m512 widen16(const c10::BFloat16* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+static inline __m512 widen16(const c10::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
+#endif
+
 template <typename scalar_t>
 static inline void rows_to_e4m3fn(const scalar_t* x, uint8_t* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = to_e4m3fn(static_cast<float>(x[i]));
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<scalar_t, double>)  // double: instantiated by the dispatch, refused before it
+    for (; i + 16 <= n; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), to_e4m3fn16(widen16(x + i)));
+#endif
+  for (; i < n; ++i) y[i] = to_e4m3fn(static_cast<float>(x[i]));
 }
 
 // The step's new keys and values stored at their cache slots: key/value [T, KH, D] (any token
