@@ -274,6 +274,23 @@ static inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
+// Eight vectors, each two sums of eight lanes (its 256-bit halves), to one: lane t holds
+// token t's score when v[p] holds tokens (p, p + 4) for p < 4 and (p + 4, p + 8) for p >= 4
+// (low half, high half). hsum16's first three stages: 21 shuffles and adds.
+static inline __m512 hsum8x2(const __m512* v) {
+  __m512 w[4], x[2];
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+}
+// The rows paired in pair accumulator p of a sixteen-token chunk (hsum8x2's order).
+static inline int64_t pair_row_a(int64_t p) { return p < 4 ? p : p + 4; }
+static inline int64_t pair_row_b(int64_t p) { return p < 4 ? p + 4 : p + 8; }
+
 static inline void store_out(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 static inline void store_out(c10::BFloat16* p, __m512 x) { store16(p, x); }
 static inline void store_out(c10::Half* p, __m512 x) {
@@ -326,11 +343,40 @@ static inline __m512i load32bf(const c10::Float8_e4m3fn* p) {
   return fp8_words(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
                    _mm512_load_si512(FP8_INDEX.in_order));
 }
+// vpermb's indices for two rows side by side (a's bytes 32h..32h+31 in bytes 0-31 of the
+// source, b's in 32-63): words 0-15 <- a's elements 32h + 16u.., words 16-31 <- b's (u = 0, 1).
+struct Fp8PairIndex {
+  alignas(64) int8_t half[2][64] = {};
+};
+static constexpr Fp8PairIndex make_fp8_pair_index() {
+  Fp8PairIndex r;
+  for (int u = 0; u < 2; ++u)
+    for (int w = 0; w < 32; ++w) r.half[u][2 * w] = r.half[u][2 * w + 1] = static_cast<int8_t>(w < 16 ? 16 * u + w : 16 + 16 * u + w);
+  return r;
+}
+static constexpr Fp8PairIndex FP8_PAIR_INDEX = make_fp8_pair_index();
+// Elements [32h, 32h + 32) of float8 rows a and b as the pair layout's two operands (steps
+// 2h and 2h + 1): each 16 of a's elements then the same 16 of b's, as load32bf converts them.
+static inline void fp8_pair_words(const c10::Float8_e4m3fn* a, const c10::Float8_e4m3fn* b, __m512i& s0, __m512i& s1) {
+  const __m512i src = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+  s0 = fp8_words(src, _mm512_load_si512(FP8_PAIR_INDEX.half[0]));
+  s1 = fp8_words(src, _mm512_load_si512(FP8_PAIR_INDEX.half[1]));
+}
 #else
-static inline __m512i load32bf(const c10::Float8_e4m3fn* p) {
-  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+static inline __m512i fp8_bytes_to_words(__m256i bytes) {
+  const __m512i b = _mm512_cvtepu8_epi16(bytes);
   return _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 4),
                          _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+static inline __m512i load32bf(const c10::Float8_e4m3fn* p) {
+  return fp8_bytes_to_words(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline void fp8_pair_words(const c10::Float8_e4m3fn* a, const c10::Float8_e4m3fn* b, __m512i& s0, __m512i& s1) {
+  const __m128i* pa = reinterpret_cast<const __m128i*>(a);
+  const __m128i* pb = reinterpret_cast<const __m128i*>(b);
+  s0 = fp8_bytes_to_words(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(pa)), _mm_loadu_si128(pb), 1));
+  s1 = fp8_bytes_to_words(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(pa + 1)), _mm_loadu_si128(pb + 1), 1));
 }
 #endif
 // bfloat16 pairs of thirty-two query elements times `up` (a power of two: exact in range).
@@ -344,6 +390,7 @@ static inline __m512i query32bf(const scalar_t* p, float up) {
 struct HeadScratch {
   std::vector<int64_t> off, next;  // each context token's row in the cache (element offset): this item's, the next's
   std::vector<float> scores;
+  std::vector<uint32_t> qpairs;  // float8: the query's pair-layout operands (decode_group)
   int64_t carried = 0;  // this item's key rows the last item's RowStream already requested
 };
 
@@ -386,6 +433,22 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
   NextRows pf(kc, vc, IN_ORDER ? nullptr : next, next_len, nkv * HD);
   RowStream rs(kc, vc, off, IN_ORDER ? len : 0, next, IN_ORDER ? next_len : 0, nkv * HD, s.carried);
   const int64_t per_pass = (16 + nkv * G - 1) / (nkv * G) + 1;  // a little ahead of this item's pace
+  // float8: each query head's sixteen-element steps as bf16 pairs (times FP8_UP), repeated in
+  // both 256-bit halves: the pair layout's other operand, made once per item
+  [[maybe_unused]] const __m512i* qpairs = nullptr;
+  if constexpr (SCALED) {
+#if defined(__AVX512BF16__)
+    s.qpairs.resize(nkv * G * NV * 16);
+    __m512i* qp = reinterpret_cast<__m512i*>(s.qpairs.data());
+    for (int64_t h = 0; h < nkv * G; ++h)
+      for (int64_t i = 0; i < NV / 2; ++i) {
+        const __m512i qb = query32bf(q + h * HD + i * 32, up);
+        _mm512_storeu_si512(qp + h * NV + 2 * i, _mm512_shuffle_i64x2(qb, qb, 0x44));
+        _mm512_storeu_si512(qp + h * NV + 2 * i + 1, _mm512_shuffle_i64x2(qb, qb, 0xEE));
+      }
+    qpairs = qp;
+#endif
+  }
   for (int64_t c0 = 0; c0 < len; c0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - c0);
     const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
@@ -393,11 +456,36 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
       if constexpr (IN_ORDER) rs.upto(c0 + ROWS_AHEAD + 16 * (k + 1) / nkv);  // the chunk's share, spread over its heads
       const scalar_t* qk = q + k * G * HD;
       [[maybe_unused]] alignas(64) uint16_t kbf[SCALED ? 16 * HD : 32];
-      if constexpr (SCALED) {  // float8: the chunk's keys converted once, not once per query head
+      if constexpr (SCALED) {
 #if defined(__AVX512BF16__)
-        for (int64_t j = 0; j < 16; ++j)
-          for (int64_t i = 0; i < NV / 2; ++i)
-            _mm512_store_si512(kbf + j * HD + i * 32, load32bf(kc + off[c0 + j] + k * HD + i * 32));
+        // float8: the chunk's keys converted once, not once per query head, in the pair
+        // layout: operand (p, st) holds elements [16 st, 16 st + 16) of rows pair_row_a(p)
+        // then pair_row_b(p), so each dot product's lanes sum within one token and eight
+        // accumulators fold into sixteen scores in 21 operations (hsum16 over per-token
+        // vectors took 45 per query head)
+        for (int64_t p = 0; p < 8; ++p) {
+          const cache_t* ra = kc + off[c0 + pair_row_a(p)] + k * HD;
+          const cache_t* rb = kc + off[c0 + pair_row_b(p)] + k * HD;
+          for (int64_t h = 0; h < NV / 2; ++h) {
+            __m512i s0, s1;
+            fp8_pair_words(ra + 32 * h, rb + 32 * h, s0, s1);
+            _mm512_store_si512(kbf + (p * NV + 2 * h) * 32, s0);
+            _mm512_store_si512(kbf + (p * NV + 2 * h + 1) * 32, s1);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          if constexpr (!IN_ORDER) pf.ahead(per_pass);
+          const __m512i* qa = qpairs + (k * G + g) * NV;
+          __m512 acc[8];
+          for (auto& a : acc) a = _mm512_setzero_ps();
+          for (int64_t st = 0; st < NV; ++st)
+            for (int64_t p = 0; p < 8; ++p)
+              acc[p] = _mm512_dpbf16_ps(acc[p], (__m512bh)_mm512_loadu_si512(qa + st),
+                                       (__m512bh)_mm512_load_si512(kbf + (p * NV + st) * 32));
+          const __m512 r = _mm512_mask_blend_ps(valid, ninf, _mm512_mul_ps(hsum8x2(acc), sc));
+          _mm512_storeu_ps(s.scores.data() + (k * G + g) * padded + c0, r);
+        }
+        continue;
 #endif
       }
       for (int64_t g = 0; g < G; ++g) {
