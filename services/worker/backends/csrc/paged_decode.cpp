@@ -259,21 +259,6 @@ static inline void decode_one(const scalar_t* q, const scalar_t* kc, const scala
   }
 }
 
-// Sixteen vectors to one: lane j holds the sum of v[j]'s sixteen lanes. A transpose-and-add
-// tree: 45 shuffles and adds where sixteen separate horizontal sums take about 130.
-static inline __m512 hsum16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
-}
-
 // Eight vectors, each two sums of eight lanes (its 256-bit halves), to one: lane t holds
 // token t's score when v[p] holds tokens (p, p + 4) for p < 4 and (p + 4, p + 8) for p >= 4
 // (low half, high half). hsum16's first three stages: 21 shuffles and adds.
@@ -290,6 +275,14 @@ static inline __m512 hsum8x2(const __m512* v) {
 // The rows paired in pair accumulator p of a sixteen-token chunk (hsum8x2's order).
 static inline int64_t pair_row_a(int64_t p) { return p < 4 ? p : p + 4; }
 static inline int64_t pair_row_b(int64_t p) { return p < 4 ? p + 4 : p + 8; }
+
+// Sixteen vectors to one: lane j holds the sum of v[j]'s sixteen lanes. A transpose-and-add
+// tree: 45 shuffles and adds where sixteen separate horizontal sums take about 130. Its first
+// three stages are hsum8x2 on each half; the last adds the halves' 256-bit sums.
+static inline __m512 hsum16(const __m512* v) {
+  const __m512 z0 = hsum8x2(v), z1 = hsum8x2(v + 8);
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
 
 static inline void store_out(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 static inline void store_out(c10::BFloat16* p, __m512 x) { store16(p, x); }
@@ -968,12 +961,6 @@ static inline __m128i to_e4m3fn16(__m512 f) {
   r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xFF)), _mm512_srli_epi32(sign, 24));
   return _mm512_cvtepi32_epi8(r);
 }
-static inline __m512 widen16(const float* x) { return _mm512_loadu_ps(x); }
-static inline __m512 widen16(const c10::BFloat16* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-static inline __m512 widen16(const c10::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
 #endif
 
 template <typename scalar_t>
@@ -981,7 +968,7 @@ static inline void rows_to_e4m3fn(const scalar_t* x, uint8_t* y, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<scalar_t, double>)  // double: instantiated by the dispatch, refused before it
-    for (; i + 16 <= n; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), to_e4m3fn16(widen16(x + i)));
+    for (; i + 16 <= n; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), to_e4m3fn16(load16(x + i)));
 #endif
   for (; i < n; ++i) y[i] = to_e4m3fn(static_cast<float>(x[i]));
 }
