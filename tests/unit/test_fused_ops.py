@@ -380,3 +380,21 @@ def test_race_rows_edges() -> None:
     assert got.tolist() == [1, 0, 1, 1]
     with pytest.raises(RuntimeError, match="one per row"):
         k.race_rows(x, torch.ones(4), *_no_filters(4), torch.tensor([1, 2]))
+
+
+def test_kernel_bfloat16_rounding_equals_torch_bit_for_bit() -> None:
+    """The kernels' float32 -> bfloat16 store (AVX512-BF16's instruction where the CPU has it,
+    with NaNs and subnormals sent through the exact path) gives torch's bits: every sign and
+    exponent and upper mantissa, each with the low halves that decide rounding (zero, just below,
+    at and above the tie, all ones), so every NaN, subnormal, infinity and tie; then random bits."""
+    k = _kernels()
+    upper = torch.arange(1 << 16, dtype=torch.int64) << 16
+    lows = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    bits = (upper[:, None] | lows[None, :]).reshape(-1)
+    bits = torch.cat([bits, torch.randint(0, 1 << 32, (1 << 20,), generator=_gen(7), dtype=torch.int64)])
+    x = bits.to(torch.int32).view(torch.float32)  # int64 -> int32 wraps: the same 32 bits
+    got, want = k.to_bfloat16(x).view(torch.int16), x.to(BF16).view(torch.int16)
+    nan = torch.isnan(x)
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.equal(got[nan], torch.full_like(got[nan], 0x7FC0))  # c10's one NaN, any sign or payload
+    assert int(nan.sum()) > 2 * 255 * 6 and int((x.abs() < 1.1754944e-38).sum()) > 255 * 6  # NaNs and subnormals were there

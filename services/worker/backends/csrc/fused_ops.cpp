@@ -724,4 +724,27 @@ torch::Tensor race_rows(torch::Tensor logits, torch::Tensor inv_temp, torch::Ten
                    });
 }
 
+// float32 -> bfloat16 through the kernels' own store (vec512.h's store16 where the build has
+// AVX-512, c10's rounding elsewhere): tests hold it bit for bit to torch's conversion.
+torch::Tensor to_bfloat16(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "contiguous float32");
+  auto out = torch::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t n = x.numel();
+  at::parallel_for(0, (n + 15) / 16, 4096, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t i = b * 16;
+#if defined(__AVX512F__)
+      if (i + 16 <= n) {
+        store16(op + i, _mm512_loadu_ps(xp + i));
+        continue;
+      }
+#endif
+      for (; i < std::min(n, b * 16 + 16); ++i) op[i] = static_cast<bf16>(xp[i]);
+    }
+  });
+  return out;
+}
+
 bool fused_ops_available() { return true; }

@@ -42,7 +42,7 @@ static inline __m512 exp16(__m512 x) {
 }
 
 // Sixteen floats to bfloat16, rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0).
-static inline __m256i to_bf16x16(__m512 x) {
+static inline __m256i to_bf16x16_exact(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
@@ -50,6 +50,17 @@ static inline __m256i to_bf16x16(__m512 x) {
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+// With AVX512-BF16 one instruction rounds to nearest even as above, but it reads float32
+// subnormals as zero and keeps a NaN's sign and payload: any lane of those kinds (never in a
+// forward that is going well) takes the exact path, so the result is the same bits.
+static inline __m256i to_bf16x16(__m512 x) {
+  if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) != 0, 0)) return to_bf16x16_exact(x);  // NaN, subnormal
+  return (__m256i)_mm512_cvtneps_pbh(x);
+}
+#else
+static inline __m256i to_bf16x16(__m512 x) { return to_bf16x16_exact(x); }
+#endif
 static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 static inline void store16(c10::BFloat16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(x));
