@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from torch import nn
 log = logging.getLogger("ferry.worker.packed_linear")
 
 BATCH_HINT = 64  # the M oneDNN picks its layout for; measured best or near-best from M=1 to 2048
+SMALL_BATCH_ROWS = 8  # at most this many rows go to the small-batch kernel (_add_small_batch)
 
 
 class PackedLinear(nn.Module):
@@ -52,8 +54,22 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
+        self.tiles: torch.Tensor | None
+        self.register_buffer("tiles", None, persistent=False)  # the small-batch copy (add_small_batch), when on
+        self._small: Callable[..., torch.Tensor] | None = None
+        self._bias32 = torch.empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._small is not None and x.numel() <= SMALL_BATCH_ROWS * self.in_features and x.is_contiguous():
+            return self._small(x, self.tiles, self._bias32)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def add_small_batch(self, weight: torch.Tensor, kernels: Any) -> None:
+        """Keep a copy of ``weight`` laid out for the small-batch kernel and send inputs of
+        up to ``SMALL_BATCH_ROWS`` rows to it (csrc/small_batch_linear.cpp)."""
+        self.tiles = kernels.small_batch_pack(weight.detach())
+        self._bias32 = torch.empty(0) if self.bias is None else self.bias.detach().float().contiguous()
+        self._small = kernels.small_batch_linear
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
@@ -150,6 +166,8 @@ def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device
             for i, n in enumerate(names[1:], start=1):
                 setattr(parent, n, FusedPart(head, i))
             fused += 1
+            if isinstance(inner, PackedLinear):
+                _add_small_batch(inner, joined.weight, joined.bias, "/".join(names))
     return fused
 
 
@@ -210,5 +228,47 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) ->
                 return swapped
             setattr(parent, name, packed)
             swapped += 1
+            _add_small_batch(packed, child.weight, child.bias, name)
     return swapped
+
+
+def small_batch_enabled(dtype: torch.dtype) -> bool:
+    """``FERRY_CPU_SMALL_BATCH_LINEAR=0`` keeps every product on oneDNN (for A/B runs)."""
+    setting = os.environ.get("FERRY_CPU_SMALL_BATCH_LINEAR", "1").strip().lower()
+    return dtype == torch.bfloat16 and setting not in ("0", "false", "no", "off")
+
+
+def _small_batch_kernels() -> Any | None:
+    try:
+        from .backends.cpu_paged import load_extension
+
+        ext = load_extension()
+    except Exception:  # noqa: BLE001 - no compiler, a failed build: oneDNN alone
+        return None
+    return ext if ext.small_batch_linear_available() else None
+
+
+def _add_small_batch(packed: PackedLinear, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> bool:
+    """Give a bfloat16 ``PackedLinear`` its small-batch path, where the CPU has AVX512-BF16.
+
+    Decode steps of 1-8 rows read the whole weight for little arithmetic; oneDNN's packed
+    kernels streamed it at 16-17.6 GB/s on the Zen 4 EPYC, the small-batch kernel at ~28
+    (docs/benchmarks.md, "Decode at low concurrency"). It sums in another order than oneDNN,
+    so it is held to the same product within a bfloat16 step on a probe, not bit for bit.
+    Costs a second copy of the weight (SmolLM2-135M: 212 MB for the body, 57 for the LM head).
+    """
+    if not small_batch_enabled(weight.dtype) or packed.out_features % 16 or packed.in_features % 2:
+        return False
+    kernels = _small_batch_kernels()
+    if kernels is None:
+        return False
+    packed.add_small_batch(weight, kernels)
+    probe = torch.randn(5, packed.in_features, generator=torch.Generator().manual_seed(1)).to(weight.dtype)
+    want = F.linear(probe.float(), weight.float(), None if bias is None else bias.float())
+    got = packed(probe).float()
+    if not bool(torch.all((got - want).abs() <= want.abs() * 2.0**-7 + 1e-3 * want.abs().max())):
+        log.warning("small-batch %s differs from its float32 product; oneDNN alone", name)
+        packed.tiles, packed._small = None, None
+        return False
+    return True
 

@@ -128,3 +128,89 @@ def test_fused_packed_model_gives_the_same_logits_bit_for_bit(kind: str) -> None
         want = model(ids).logits
         got = fast(ids).logits
     assert torch.equal(got, want)
+
+
+def _small_batch_kernels():  # noqa: ANN202
+    from services.worker.packed_linear import _small_batch_kernels
+
+    k = _small_batch_kernels()
+    if k is None:
+        pytest.skip("no AVX512-BF16 small-batch kernel in this build (or no compiler)")
+    return k
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_small_batch_kernel_matches_the_float32_product(bias: bool, rows: int) -> None:
+    """The small-batch kernel sums in float32 and rounds once: within one bfloat16 step of the
+    exact product everywhere, and almost always F.linear's own bits."""
+    k = _small_batch_kernels()
+    gen = torch.Generator().manual_seed(rows + 10 * bias)
+    w = torch.randn(96, 576, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(1, rows, 576, generator=gen).to(torch.bfloat16)
+    got = k.small_batch_linear(x, k.small_batch_pack(w), b.float() if bias else torch.empty(0))
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
+    assert torch.all((got.float() - want).abs() <= want.abs() * 2.0**-8 + 1e-6)  # round-to-nearest of a float32 sum
+    assert (got == F.linear(x, w, b)).float().mean() > 0.98
+
+
+def test_small_batch_kernel_refuses_what_it_cannot_compute() -> None:
+    k = _small_batch_kernels()
+    tiles = k.small_batch_pack(torch.randn(32, 64).to(torch.bfloat16))
+    assert tiles.shape == (2, 32, 16) and tiles.dtype == torch.int32
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        k.small_batch_linear(torch.randn(9, 64).to(torch.bfloat16), tiles, torch.empty(0))
+    with pytest.raises(RuntimeError, match="input width"):
+        k.small_batch_linear(torch.randn(2, 48).to(torch.bfloat16), tiles, torch.empty(0))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        k.small_batch_pack(torch.randn(40, 64).to(torch.bfloat16))
+
+
+def test_packed_layers_send_up_to_eight_rows_to_the_small_batch_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_linears and fuse_projections give bfloat16 layers the small-batch path (N a multiple
+    of 16): up to 8 rows go to it, more to oneDNN (bit for bit F.linear); off with the setting."""
+    k = _small_batch_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    gen = torch.Generator().manual_seed(4)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40)).to(torch.bfloat16)  # 40: no small path
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    plain = copy.deepcopy(model)
+    assert pack_linears(model, torch.bfloat16, CPU) == 2
+    first, second = model[0], model[1]
+    assert first.tiles is not None and first.tiles.shape == (3, 32, 16) and second.tiles is None
+    calls = []
+    real = k.small_batch_linear
+    monkeypatch.setattr(first, "_small", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.no_grad():
+        small = first(torch.randn(1, 8, 64, generator=gen).to(torch.bfloat16))
+        x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+        big = first(x)
+    assert calls == [(1, 8, 64)] and small.shape == (1, 8, 48)
+    assert torch.equal(big, F.linear(x, plain[0].weight, plain[0].bias))
+    monkeypatch.setenv("FERRY_CPU_SMALL_BATCH_LINEAR", "0")
+    off = copy.deepcopy(plain)
+    assert pack_linears(off, torch.bfloat16, CPU) == 2 and off[0].tiles is None
+
+
+def test_fused_groups_get_the_small_batch_path() -> None:
+    _small_batch_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cached_tiny_model("llama"), dtype=torch.bfloat16).eval()
+    fast = copy.deepcopy(model)
+    body = fast.get_decoder()
+    fuse_projections(body, torch.bfloat16, CPU)
+    pack_linears(body, torch.bfloat16, CPU)
+    head = body.layers[0].self_attn.q_proj
+    assert isinstance(head, FusedHead) and head.fused.tiles is not None
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want, got = model(ids).logits.float(), fast(ids).logits.float()
+    assert torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # not bit for bit: another order

@@ -51,10 +51,12 @@ from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata
 log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp"))  # + vec512.h, vec256.h, work_split.h
+SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp",
+                                   "small_batch_linear.cpp"))  # + vec512.h, vec256.h, work_split.h
 FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged",
              "rms_norm", "add_rms_norm",
-             "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa"]
+             "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa",
+             "small_batch_linear_available", "small_batch_pack", "small_batch_linear"]
 
 
 def _cpu_flags() -> str:
@@ -102,7 +104,7 @@ def load_extension() -> Any:
         extra_cflags=cflags, extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(CSRC)], verbose=False,
     )
-    log.info("CPU kernels (paged decode, prefill attention, fused ops, int8 quantization) ready in %.1fs", time.monotonic() - t0)
+    log.info("CPU kernels (paged decode, prefill attention, fused ops, int8 quantization, small-batch linear) ready in %.1fs", time.monotonic() - t0)
     return module
 
 

@@ -1,0 +1,146 @@
+"""Decode at low concurrency: the small-batch linear against oneDNN, in one process (docs/benchmarks.md).
+
+Two measurements, each alternating both paths round by round on the same data (a shared
+2-core machine moves by 10-30 % from one minute to the next):
+
+- ``linears``: one decode step's linear layers of SmolLM2-135M at M rows (30 layers x the
+  fused q/k/v, o, fused gate/up and down products, every layer its own weights, so they are
+  read from memory as in a forward), oneDNN's packed product against the small-batch kernel;
+  ms per step and the weight bytes read per second;
+- ``steps``: the offline engine's decode steps at a batch of B requests (200-token prompts,
+  64 output tokens each), with every bfloat16 layer's small-batch path on and then off (the
+  same loaded model: the path is a per-layer attribute), ms per decode step.
+
+    python -m services.engine.bench_small_batch --out /tmp/b/small-batch.json
+
+bfloat16 on a CPU with AVX512-BF16 only (the kernel's instruction); elsewhere it says so.
+"""
+
+# ruff: noqa: B023 - every closure is timed and dropped within its own loop iteration
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# SmolLM2-135M's products per layer as ferry runs them: (in, out) of q/k/v fused, o, gate/up fused, down
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
+LAYERS = 30
+
+
+def run_linears(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, Any]]:
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen).to(dt) for k, n in SHAPES] for _ in range(LAYERS)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
+    tiles = [[kernels.small_batch_pack(w) for w in layer] for layer in weights]
+    nbytes = sum(2 * k * n for k, n in SHAPES) * LAYERS
+    empty = torch.empty(0)
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen).to(dt) for k in {k for k, _ in SHAPES}}
+
+        def onednn() -> None:
+            for layer in packed:
+                for (k, _), p in zip(SHAPES, layer, strict=True):
+                    torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
+
+        def small() -> None:
+            for layer in tiles:
+                for (k, _), t in zip(SHAPES, layer, strict=True):
+                    kernels.small_batch_linear(xs[k], t, empty)
+
+        times: dict[str, list[float]] = {"onednn": [], "small_batch": []}
+        for _ in range(rounds):
+            for name, fn in (("onednn", onednn), ("small_batch", small)):
+                fn()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        row = {"rows": m, **{f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in times.items()}}
+        row.update({f"{k}_gb_s": round(nbytes / statistics.median(v) / 1e9, 1) for k, v in times.items()})
+        print(f"linears, {m} rows, {LAYERS} layers: oneDNN {row['onednn_ms']} ms ({row['onednn_gb_s']} GB/s of weights), "
+              f"small-batch {row['small_batch_ms']} ms ({row['small_batch_gb_s']} GB/s)", flush=True)
+        out.append(row)
+    return out
+
+
+def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, Any]]:
+    from services.engine.offline import LLM, GenerationParams
+    from services.worker.packed_linear import PackedLinear
+
+    llm = LLM(dtype="bfloat16", num_threads=threads)
+    layers = [m for m in llm.runner.model.modules() if isinstance(m, PackedLinear) and m._small is not None]
+    saved = [m._small for m in layers]
+    print(f"{len(layers)} linear layers with the small-batch path", flush=True)
+    execute = llm.runner.execute
+    times: list[tuple[int, float]] = []
+
+    def timed(plan: Any) -> Any:
+        t0 = time.perf_counter()
+        result = execute(plan)
+        times.append((plan.total_num_scheduled_tokens, time.perf_counter() - t0))
+        return result
+
+    llm.runner.execute = timed  # type: ignore[method-assign]
+    params = GenerationParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    out = []
+    for b in batches:
+        per: dict[str, list[float]] = {"onednn": [], "small_batch": []}
+        for _ in range(rounds):
+            for name in ("onednn", "small_batch"):
+                for m, fn in zip(layers, saved, strict=True):
+                    m._small = fn if name == "small_batch" else None
+                prompts = [[rng.randrange(1000, 40000) for _ in range(200)] for _ in range(b)]
+                times.clear()
+                llm._run(prompts, [params] * b)
+                decode = [t for n, t in times if n == b][8:]  # every request decoding, past the first steps
+                per[name].append(statistics.median(decode))
+        row = {"batch": b, **{f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in per.items()}}
+        print(f"decode step, batch {b}: oneDNN {row['onednn_ms']} ms, small-batch {row['small_batch_ms']} ms "
+              f"({row['small_batch_ms'] / row['onednn_ms']:.2f}x)", flush=True)
+        out.append(row)
+    for m, fn in zip(layers, saved, strict=True):
+        m._small = fn
+    llm.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="linears,steps")
+    p.add_argument("--rows", default="1,2,4,8", help="rows per product (linears)")
+    p.add_argument("--batches", default="1,4,8", help="requests decoding together (steps)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from services.worker.packed_linear import _small_batch_kernels
+
+    kernels = _small_batch_kernels()
+    if kernels is None:
+        print("no small-batch kernel here (it needs AVX512-BF16 and the CPU kernels' build)")
+        return 1
+    parts = set(args.parts.split(","))
+    result: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds}
+    if "linears" in parts:
+        result["linears"] = run_linears(kernels, [int(x) for x in args.rows.split(",")], args.rounds)
+    if "steps" in parts:
+        result["steps"] = run_steps([int(x) for x in args.batches.split(",")], args.rounds, args.threads)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
