@@ -18,6 +18,14 @@ computes all three outputs in one oneDNN call and hands ``k_proj`` and ``v_proj`
 (``FusedHead`` / ``FusedPart``). One product of width 960 instead of 576 + 192 + 192
 and one of 3,072 instead of 2 x 1,536 ran 1.2-1.3x faster at every batch size measured.
 
+bfloat16 decode steps of 1-8 rows go to a kernel of ferry's own where the CPU has
+AVX512-BF16 (``csrc/small_batch_linear.cpp``, ``_add_small_batch``): at a few rows a product
+is a read of its weight, and oneDNN's blocked kernels read it at 13.5-20 GB/s where the
+small-batch kernel's one stream per thread reads ~29 (a decode step at batch 1 0.55x the
+time, at batch 8 0.77x; docs/benchmarks.md, "Decode at low concurrency"). It holds a second
+copy of each weight and sums in another order, so those rows are within one bfloat16 step of
+oneDNN's, not bit for bit; ``FERRY_CPU_SMALL_BATCH_LINEAR=0`` turns it off.
+
 float32 too: there oneDNN's kernels sum in another order than MKL's (differences ~1e-5
 relative on these shapes), so logits are no longer bit-identical to transformers', but
 greedy outputs stayed token-identical (SmolLM2-135M: 50 of 50 chat prompts x 64 tokens;

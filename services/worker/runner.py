@@ -44,7 +44,7 @@ from .kv_cache import FP8, KVCache, kv_cache_torch_dtype, num_blocks_for_budget
 from .lean_forward import LeanDecoder
 from .loader import load_model
 from .logits_processors import ConstraintTracker
-from .packed_linear import fuse_projections, pack_linears
+from .packed_linear import SMALL_BATCH_ROWS, PackedLinear, fuse_projections, pack_linears
 from .quantize import apply_int8, int8_kernels
 from .sampler import Sampler
 
@@ -137,6 +137,10 @@ class ModelRunner:
                     log.info("tied LM head packed as its own copy (%d bytes)", self.lm_head.packed.nbytes)
         if packed:
             log.info("%d linear layers on oneDNN-packed weights", packed)
+        small = [m.tiles for m in self.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]
+        if small:
+            log.info("%d of them with the small-batch path for 1-%d rows (a second copy: %d MB)", len(small),
+                     SMALL_BATCH_ROWS, sum(t.nbytes for t in small) // 10**6)
         if config.quantization == "int8":
             self.weight_bytes = _weight_bytes(self.model)
         fused_ops = fuse_elementwise(self.body, self.dtype, self.device)
