@@ -68,7 +68,7 @@ class PackedLinear(nn.Module):
         self._bias32 = torch.empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small is not None and x.numel() <= SMALL_BATCH_ROWS * self.in_features and x.is_contiguous():
+        if self._small is not None and 0 < x.numel() <= SMALL_BATCH_ROWS * self.in_features and x.is_contiguous():
             return self._small(x, self.tiles, self._bias32)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

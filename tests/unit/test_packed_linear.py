@@ -191,6 +191,8 @@ def test_packed_layers_send_up_to_eight_rows_to_the_small_batch_kernel(monkeypat
         x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
         big = first(x)
     assert calls == [(1, 8, 64)] and small.shape == (1, 8, 48)
+    with torch.no_grad():  # no rows (e.g. an LM head with nothing to sample): oneDNN's empty product
+        assert first(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 48) and len(calls) == 1
     assert torch.equal(big, F.linear(x, plain[0].weight, plain[0].bias))
     monkeypatch.setenv("FERRY_CPU_SMALL_BATCH_LINEAR", "0")
     off = copy.deepcopy(plain)
