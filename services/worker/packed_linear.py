@@ -18,13 +18,19 @@ computes all three outputs in one oneDNN call and hands ``k_proj`` and ``v_proj`
 (``FusedHead`` / ``FusedPart``). One product of width 960 instead of 576 + 192 + 192
 and one of 3,072 instead of 2 x 1,536 ran 1.2-1.3x faster at every batch size measured.
 
-bfloat16 decode steps of 1-8 rows go to a kernel of ferry's own where the CPU has
-AVX512-BF16 (``csrc/small_batch_linear.cpp``, ``_add_small_batch``): at a few rows a product
-is a read of its weight, and oneDNN's blocked kernels read it at 13.5-20 GB/s where the
-small-batch kernel's one stream per thread reads ~29 (a decode step at batch 1 0.55x the
-time, at batch 8 0.77x; docs/benchmarks.md, "Decode at low concurrency"). It holds a second
-copy of each weight and sums in another order, so those rows are within one bfloat16 step of
-oneDNN's, not bit for bit; ``FERRY_CPU_SMALL_BATCH_LINEAR=0`` turns it off.
+bfloat16 products go to a kernel of ferry's own where the CPU has AVX512-BF16 and no AMX
+(``csrc/tiled_linear.cpp``, ``_add_tiled``): the weight laid out once in the operand order of
+``vdpbf16ps``, one sequential stream per thread at one or two rows (a decode step at low
+concurrency, where a product is a read of its weight: oneDNN read it at 13.5-20 GB/s, this
+kernel at ~29), blocks of 8 rows x 48 outputs past that. It ran the model's products 1.05-1.35x
+faster than oneDNN's packed kernels from 1 to 2,048 rows on the Zen 4 EPYC (docs/benchmarks.md,
+"One bfloat16 linear kernel for every batch"), so there it takes every product and oneDNN's
+copy of the weight is dropped. On a CPU with AMX, whose tile instructions oneDNN uses, it takes
+only products of up to ``SMALL_BATCH_ROWS`` rows and oneDNN keeps the rest (and its copy).
+It sums in another order than oneDNN, so its outputs are within one bfloat16 step of
+oneDNN's, not bit for bit; a row's result does not depend on how many rows are computed with
+it. ``FERRY_CPU_TILED_LINEAR=0`` keeps every product on oneDNN, ``small`` sends only up to 8
+rows to it.
 
 float32 too: there oneDNN's kernels sum in another order than MKL's (differences ~1e-5
 relative on these shapes), so logits are no longer bit-identical to transformers', but
@@ -49,7 +55,8 @@ from torch import nn
 log = logging.getLogger("ferry.worker.packed_linear")
 
 BATCH_HINT = 64  # the M oneDNN picks its layout for; measured best or near-best from M=1 to 2048
-SMALL_BATCH_ROWS = 8  # at most this many rows go to the small-batch kernel (_add_small_batch)
+SMALL_BATCH_ROWS = 8  # the tiled kernel's rows where oneDNN keeps the larger products (AMX, or "small")
+ALL_ROWS = 1 << 62  # the tiled kernel takes every product
 
 
 class PackedLinear(nn.Module):
@@ -59,28 +66,41 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
+        self.packed: torch.Tensor | None
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
         self.tiles: torch.Tensor | None
-        self.register_buffer("tiles", None, persistent=False)  # the small-batch copy (add_small_batch), when on
-        self._small: Callable[..., torch.Tensor] | None = None
+        self.register_buffer("tiles", None, persistent=False)  # the tiled kernel's copy (add_tiled), when on
+        self._tiled: Callable[..., torch.Tensor] | None = None
+        self.tiled_rows = 0  # inputs of up to this many rows go to the tiled kernel
         self._bias32 = torch.empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small is not None and 0 < x.numel() <= SMALL_BATCH_ROWS * self.in_features and x.is_contiguous():
-            return self._small(x, self.tiles, self._bias32)
+        if self._tiled is not None and x.numel() <= self.tiled_rows * self.in_features:
+            return self._tiled(x if x.is_contiguous() else x.contiguous(), self.tiles, self._bias32)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def add_small_batch(self, weight: torch.Tensor, kernels: Any) -> None:
-        """Keep a copy of ``weight`` laid out for the small-batch kernel and send inputs of
-        up to ``SMALL_BATCH_ROWS`` rows to it (csrc/small_batch_linear.cpp)."""
-        self.tiles = kernels.small_batch_pack(weight.detach())
+    def add_tiled(self, weight: torch.Tensor, kernels: Any, rows: int) -> None:
+        """Keep a copy of ``weight`` laid out for the tiled kernel and send inputs of up to
+        ``rows`` rows to it (csrc/tiled_linear.cpp)."""
+        self.tiles = kernels.tiled_pack(weight.detach())
         self._bias32 = torch.empty(0) if self.bias is None else self.bias.detach().float().contiguous()
-        self._small = kernels.small_batch_linear
+        self._tiled = kernels.tiled_linear
+        self.tiled_rows = rows
+
+    def remove_tiled(self) -> None:
+        self.tiles, self._tiled, self.tiled_rows = None, None, 0
+
+    def drop_packed(self) -> None:
+        """Free oneDNN's copy once the tiled kernel takes every product."""
+        if self._tiled is None or self.tiled_rows < ALL_ROWS:
+            raise RuntimeError("oneDNN's weight is still needed: the tiled kernel does not take every product")
+        self.packed = None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        held = "packed" if self.tiles is None else "tiled" if self.packed is None else f"packed, tiled up to {self.tiled_rows} rows"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {held}"
 
 
 class FusedHead(nn.Module):
@@ -175,7 +195,7 @@ def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device
                 setattr(parent, n, FusedPart(head, i))
             fused += 1
             if isinstance(inner, PackedLinear):
-                _add_small_batch(inner, joined.weight, joined.bias, "/".join(names))
+                _add_tiled(inner, joined.weight, joined.bias, "/".join(names))
     return fused
 
 
@@ -236,47 +256,61 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) ->
                 return swapped
             setattr(parent, name, packed)
             swapped += 1
-            _add_small_batch(packed, child.weight, child.bias, name)
+            _add_tiled(packed, child.weight, child.bias, name)
     return swapped
 
 
-def small_batch_enabled(dtype: torch.dtype) -> bool:
-    """``FERRY_CPU_SMALL_BATCH_LINEAR=0`` keeps every product on oneDNN (for A/B runs)."""
-    setting = os.environ.get("FERRY_CPU_SMALL_BATCH_LINEAR", "1").strip().lower()
-    return dtype == torch.bfloat16 and setting not in ("0", "false", "no", "off")
+def tiled_rows(dtype: torch.dtype, kernels: Any | None = None) -> int:
+    """How many rows at most a bfloat16 product sends to the tiled kernel (0: none).
+
+    ``FERRY_CPU_TILED_LINEAR``: ``auto`` (default) every product where the CPU has no AMX,
+    up to ``SMALL_BATCH_ROWS`` where it has (oneDNN's AMX kernels, not measured here, keep the
+    larger ones); ``small`` up to ``SMALL_BATCH_ROWS`` on any CPU; ``0`` none (for A/B runs).
+    """
+    setting = os.environ.get("FERRY_CPU_TILED_LINEAR", "auto").strip().lower()
+    if dtype != torch.bfloat16 or setting in ("0", "false", "no", "off"):
+        return 0
+    if setting == "small":
+        return SMALL_BATCH_ROWS
+    if setting not in ("auto", "1", "true", "yes", "on"):
+        raise ValueError(f"FERRY_CPU_TILED_LINEAR={setting!r}: auto, small or 0")
+    from .backends.cpu_paged import cpu_flag
+
+    return SMALL_BATCH_ROWS if cpu_flag("amx_bf16") else ALL_ROWS
 
 
-def _small_batch_kernels() -> Any | None:
+def _tiled_kernels() -> Any | None:
     try:
         from .backends.cpu_paged import load_extension
 
         ext = load_extension()
     except Exception:  # noqa: BLE001 - no compiler, a failed build: oneDNN alone
         return None
-    return ext if ext.small_batch_linear_available() else None
+    return ext if ext.tiled_linear_available() else None
 
 
-def _add_small_batch(packed: PackedLinear, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> bool:
-    """Give a bfloat16 ``PackedLinear`` its small-batch path, where the CPU has AVX512-BF16.
+def _add_tiled(packed: PackedLinear, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> bool:
+    """Give a bfloat16 ``PackedLinear`` the tiled kernel, where the CPU has AVX512-BF16
+    (see the module doc), and drop oneDNN's copy where the tiled kernel takes every product.
 
-    Decode steps of 1-8 rows read the whole weight for little arithmetic; oneDNN's packed
-    kernels streamed it at 16-17.6 GB/s on the Zen 4 EPYC, the small-batch kernel at ~28
-    (docs/benchmarks.md, "Decode at low concurrency"). It sums in another order than oneDNN,
-    so it is held to the same product within a bfloat16 step on a probe, not bit for bit.
-    Costs a second copy of the weight (SmolLM2-135M: 212 MB for the body, 57 for the LM head).
+    It sums in another order than oneDNN, so it is held to the float32 product within a
+    bfloat16 step on probes of one row (the stream path) and eleven (two row blocks).
     """
-    if not small_batch_enabled(weight.dtype) or packed.out_features % 16 or packed.in_features % 2:
+    rows = tiled_rows(weight.dtype)
+    if not rows or packed.out_features % 16 or packed.in_features % 2 or packed.in_features == 0:
         return False
-    kernels = _small_batch_kernels()
+    kernels = _tiled_kernels()
     if kernels is None:
         return False
-    packed.add_small_batch(weight, kernels)
-    probe = torch.randn(5, packed.in_features, generator=torch.Generator().manual_seed(1)).to(weight.dtype)
-    want = F.linear(probe.float(), weight.float(), None if bias is None else bias.float())
-    got = packed(probe).float()
-    if not bool(torch.all((got - want).abs() <= want.abs() * 2.0**-7 + 1e-3 * want.abs().max())):
-        log.warning("small-batch %s differs from its float32 product; oneDNN alone", name)
-        packed.tiles, packed._small = None, None
-        return False
+    packed.add_tiled(weight, kernels, rows)
+    for n in (1, 11):
+        probe = torch.randn(n, packed.in_features, generator=torch.Generator().manual_seed(n)).to(weight.dtype)
+        want = F.linear(probe.float(), weight.float(), None if bias is None else bias.float())
+        got = kernels.tiled_linear(probe, packed.tiles, packed._bias32).float()
+        if not bool(torch.all((got - want).abs() <= want.abs() * 2.0**-7 + 1e-3 * want.abs().max())):
+            log.warning("tiled %s differs from its float32 product; oneDNN alone", name)
+            packed.remove_tiled()
+            return False
+    if rows >= ALL_ROWS:
+        packed.drop_packed()
     return True
-

@@ -134,13 +134,16 @@ class ModelRunner:
                 packed += head_packed
                 self.lm_head = self.model.get_output_embeddings()
                 if tied:
-                    log.info("tied LM head packed as its own copy (%d bytes)", self.lm_head.packed.nbytes)
+                    own = self.lm_head.packed if self.lm_head.packed is not None else self.lm_head.tiles
+                    log.info("tied LM head packed as its own copy (%d bytes)", own.nbytes)
         if packed:
             log.info("%d linear layers on oneDNN-packed weights", packed)
-        small = [m.tiles for m in self.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]
-        if small:
-            log.info("%d of them with the small-batch path for 1-%d rows (a second copy: %d MB)", len(small),
-                     SMALL_BATCH_ROWS, sum(t.nbytes for t in small) // 10**6)
+        tiles = [m.tiles for m in self.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]
+        if tiles:
+            alone = sum(1 for m in self.model.modules() if isinstance(m, PackedLinear) and m.packed is None)
+            log.info("%d of them on the tiled bfloat16 kernel (%d MB): %d for every product, %d for up to %d rows "
+                     "beside oneDNN's copy", len(tiles), sum(t.nbytes for t in tiles) // 10**6, alone,
+                     len(tiles) - alone, SMALL_BATCH_ROWS)
         if config.quantization == "int8":
             self.weight_bytes = _weight_bytes(self.model)
         fused_ops = fuse_elementwise(self.body, self.dtype, self.device)

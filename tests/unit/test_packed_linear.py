@@ -1,9 +1,11 @@
 """oneDNN-packed and fused linear layers (services/worker/packed_linear.py).
 
-Packing and fusing must not change a single bit of a bfloat16 forward: the packed
+Packing and fusing must not change a single bit of a bfloat16 forward on oneDNN: the packed
 product against ``F.linear``, each fused projection against its separate layer, and
 the whole tiny model's logits (Llama: GQA, no biases; Qwen2: MQA with q/k/v biases)
-against the untouched model. float32 stays on ``F.linear`` unless asked.
+against the untouched model. The tiled kernel (csrc/tiled_linear.cpp) sums in another
+order: held to the float32 product within a bfloat16 step, and to its own bits across
+batch sizes.
 """
 
 from __future__ import annotations
@@ -107,9 +109,10 @@ def test_fused_part_refuses_another_input() -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_fused_packed_model_gives_the_same_logits_bit_for_bit(kind: str) -> None:
+def test_fused_packed_model_gives_the_same_logits_bit_for_bit(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "0")  # oneDNN's products (the tiled kernel sums in another order)
     if not _bf16_packing_exact_here():
         pytest.skip("bfloat16 on AVX2: oneDNN's packed products differ from F.linear's, nothing is packed")
     torch.manual_seed(0)
@@ -130,77 +133,144 @@ def test_fused_packed_model_gives_the_same_logits_bit_for_bit(kind: str) -> None
     assert torch.equal(got, want)
 
 
-def _small_batch_kernels():  # noqa: ANN202
-    from services.worker.packed_linear import _small_batch_kernels
+def _tiled_kernels():  # noqa: ANN202
+    from services.worker.packed_linear import _tiled_kernels
 
-    k = _small_batch_kernels()
+    k = _tiled_kernels()
     if k is None:
-        pytest.skip("no AVX512-BF16 small-batch kernel in this build (or no compiler)")
+        pytest.skip("no AVX512-BF16 tiled kernel in this build (or no compiler)")
     return k
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-def test_small_batch_kernel_matches_the_float32_product(bias: bool, rows: int) -> None:
-    """The small-batch kernel sums in float32 and rounds once: within one bfloat16 step of the
-    exact product everywhere, and almost always F.linear's own bits."""
-    k = _small_batch_kernels()
-    gen = torch.Generator().manual_seed(rows + 10 * bias)
-    w = torch.randn(96, 576, generator=gen).to(torch.bfloat16)
-    b = torch.randn(96, generator=gen).to(torch.bfloat16) if bias else None
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 27, 64, 130])
+@pytest.mark.parametrize("outputs", [96, 80, 64])  # 2, 1 and 0 tiles past the last group of three
+def test_tiled_kernel_matches_the_float32_product(bias: bool, rows: int, outputs: int) -> None:
+    """The tiled kernel sums in float32 and rounds once: within one bfloat16 step of the exact
+    product everywhere, and almost always F.linear's own bits; every path (one or two rows
+    streamed, blocks of 8 rows with a remainder, groups of 1-3 tiles) is taken here."""
+    k = _tiled_kernels()
+    gen = torch.Generator().manual_seed(rows + 10 * bias + outputs)
+    w = torch.randn(outputs, 576, generator=gen).to(torch.bfloat16)
+    b = torch.randn(outputs, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(1, rows, 576, generator=gen).to(torch.bfloat16)
-    got = k.small_batch_linear(x, k.small_batch_pack(w), b.float() if bias else torch.empty(0))
+    got = k.tiled_linear(x, k.tiled_pack(w), b.float() if bias else torch.empty(0))
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
+    assert got.shape == (1, rows, outputs) and got.dtype == torch.bfloat16
     assert torch.all((got.float() - want).abs() <= want.abs() * 2.0**-8 + 1e-6)  # round-to-nearest of a float32 sum
     assert (got == F.linear(x, w, b)).float().mean() > 0.98
 
 
-def test_small_batch_kernel_refuses_what_it_cannot_compute() -> None:
-    k = _small_batch_kernels()
-    tiles = k.small_batch_pack(torch.randn(32, 64).to(torch.bfloat16))
+def test_tiled_kernel_rows_do_not_depend_on_the_batch() -> None:
+    """Every output is the same instructions in the same order whatever the row count, so a
+    row computed alone, in a block of 8 or beside 200 others gives the same bits."""
+    k = _tiled_kernels()
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(3072, 576, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(3072, generator=gen)
+    tiles = k.tiled_pack(w)
+    x = torch.randn(203, 576, generator=gen).to(torch.bfloat16)
+    full = k.tiled_linear(x, tiles, bias)
+    for lo, hi in ((0, 1), (5, 7), (3, 6), (10, 18), (100, 161), (202, 203)):
+        assert torch.equal(k.tiled_linear(x[lo:hi].contiguous(), tiles, bias), full[lo:hi]), (lo, hi)
+
+
+def test_tiled_kernel_refuses_what_it_cannot_compute() -> None:
+    k = _tiled_kernels()
+    tiles = k.tiled_pack(torch.randn(32, 64).to(torch.bfloat16))
     assert tiles.shape == (2, 32, 16) and tiles.dtype == torch.int32
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        k.small_batch_linear(torch.randn(9, 64).to(torch.bfloat16), tiles, torch.empty(0))
+    assert k.tiled_linear(torch.empty(0, 64, dtype=torch.bfloat16), tiles, torch.empty(0)).shape == (0, 32)
     with pytest.raises(RuntimeError, match="input width"):
-        k.small_batch_linear(torch.randn(2, 48).to(torch.bfloat16), tiles, torch.empty(0))
+        k.tiled_linear(torch.randn(2, 48).to(torch.bfloat16), tiles, torch.empty(0))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        k.tiled_linear(torch.randn(64, 4).to(torch.bfloat16).t(), tiles, torch.empty(0))
+    with pytest.raises(RuntimeError, match="bias"):
+        k.tiled_linear(torch.randn(2, 64).to(torch.bfloat16), tiles, torch.zeros(31))
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        k.small_batch_pack(torch.randn(40, 64).to(torch.bfloat16))
+        k.tiled_pack(torch.randn(40, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K even"):
+        k.tiled_pack(torch.randn(32, 63).to(torch.bfloat16))
 
 
-def test_packed_layers_send_up_to_eight_rows_to_the_small_batch_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """pack_linears and fuse_projections give bfloat16 layers the small-batch path (N a multiple
-    of 16): up to 8 rows go to it, more to oneDNN (bit for bit F.linear); off with the setting."""
-    k = _small_batch_kernels()
-    if not _bf16_packing_exact_here():
-        pytest.skip("bfloat16 on AVX2: nothing is packed")
-    gen = torch.Generator().manual_seed(4)
-    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40)).to(torch.bfloat16)  # 40: no small path
+def _two_layers(gen: torch.Generator) -> nn.Module:
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40)).to(torch.bfloat16)  # 40: no tiles
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_tiled_kernel_takes_every_product_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default (no AMX) a layer with N a multiple of 16 sends every product to the tiled
+    kernel, non-contiguous and empty inputs included, and oneDNN's copy is dropped; a layer
+    the kernel cannot take keeps oneDNN (bit for bit F.linear)."""
+    k = _tiled_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    import services.worker.backends.cpu_paged as cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name: False)
+    gen = torch.Generator().manual_seed(4)
+    model = _two_layers(gen)
     plain = copy.deepcopy(model)
     assert pack_linears(model, torch.bfloat16, CPU) == 2
     first, second = model[0], model[1]
-    assert first.tiles is not None and first.tiles.shape == (3, 32, 16) and second.tiles is None
+    assert first.tiles is not None and first.tiles.shape == (3, 32, 16) and first.packed is None
+    assert second.tiles is None and second.packed is not None
     calls = []
-    real = k.small_batch_linear
-    monkeypatch.setattr(first, "_small", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = k.tiled_linear
+    monkeypatch.setattr(first, "_tiled", lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
+    x = torch.randn(300, 64, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        out = first(x)
+        wide = first(torch.randn(64, 300, generator=gen).to(torch.bfloat16).t())  # a view: made contiguous
+        empty = first(torch.empty(0, 64, dtype=torch.bfloat16))
+        tail = second(out)
+    assert calls == [(300, 64), (300, 64), (0, 64)] and wide.shape == (300, 48) and empty.shape == (0, 48)
+    want = F.linear(x.float(), plain[0].weight.float(), plain[0].bias.float())
+    assert torch.all((out.float() - want).abs() <= want.abs() * 2.0**-8 + 1e-6)
+    assert torch.equal(tail, F.linear(out, plain[1].weight, plain[1].bias))
+    with pytest.raises(RuntimeError, match="still needed"):
+        second.drop_packed()
+
+
+@pytest.mark.parametrize("setting", ["small", "amx"])
+def test_tiled_kernel_takes_eight_rows_at_most_beside_onednn(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    """With AMX (oneDNN's tile kernels) or FERRY_CPU_TILED_LINEAR=small, up to 8 rows go to the
+    tiled kernel and more to oneDNN, which keeps its copy; with 0, nothing goes to it."""
+    k = _tiled_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    import services.worker.backends.cpu_paged as cpu_paged
+
+    if setting == "small":
+        monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "small")
+    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name: setting == "amx" and name == "amx_bf16")
+    gen = torch.Generator().manual_seed(5)
+    model = _two_layers(gen)
+    plain = copy.deepcopy(model)
+    assert pack_linears(model, torch.bfloat16, CPU) == 2
+    first = model[0]
+    assert first.tiles is not None and first.packed is not None and first.tiled_rows == 8
+    calls = []
+    real = k.tiled_linear
+    monkeypatch.setattr(first, "_tiled", lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
+    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
     with torch.no_grad():
         small = first(torch.randn(1, 8, 64, generator=gen).to(torch.bfloat16))
-        x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
         big = first(x)
     assert calls == [(1, 8, 64)] and small.shape == (1, 8, 48)
-    with torch.no_grad():  # no rows (e.g. an LM head with nothing to sample): oneDNN's empty product
-        assert first(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 48) and len(calls) == 1
     assert torch.equal(big, F.linear(x, plain[0].weight, plain[0].bias))
-    monkeypatch.setenv("FERRY_CPU_SMALL_BATCH_LINEAR", "0")
+    monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "0")
     off = copy.deepcopy(plain)
-    assert pack_linears(off, torch.bfloat16, CPU) == 2 and off[0].tiles is None
+    assert pack_linears(off, torch.bfloat16, CPU) == 2 and off[0].tiles is None and off[0].packed is not None
+    monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "everything")
+    with pytest.raises(ValueError, match="FERRY_CPU_TILED_LINEAR"):
+        pack_linears(copy.deepcopy(plain), torch.bfloat16, CPU)
 
 
-def test_fused_groups_get_the_small_batch_path() -> None:
-    _small_batch_kernels()
+def test_fused_groups_and_the_model_on_the_tiled_kernel() -> None:
+    _tiled_kernels()
     if not _bf16_packing_exact_here():
         pytest.skip("bfloat16 on AVX2: nothing is packed")
     from transformers import AutoModelForCausalLM
@@ -212,7 +282,8 @@ def test_fused_groups_get_the_small_batch_path() -> None:
     pack_linears(body, torch.bfloat16, CPU)
     head = body.layers[0].self_attn.q_proj
     assert isinstance(head, FusedHead) and head.fused.tiles is not None
-    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        want, got = model(ids).logits.float(), fast(ids).logits.float()
-    assert torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # not bit for bit: another order
+    for n in (5, 23):
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        with torch.inference_mode():
+            want, got = model(ids).logits.float(), fast(ids).logits.float()
+        assert torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # not bit for bit: another order

@@ -52,11 +52,11 @@ log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp",
-                                   "small_batch_linear.cpp"))  # + vec512.h, vec256.h, work_split.h
+                                   "tiled_linear.cpp"))  # + vec512.h, vec256.h, work_split.h
 FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged",
              "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa",
-             "small_batch_linear_available", "small_batch_pack", "small_batch_linear"]
+             "tiled_linear_available", "tiled_pack", "tiled_linear"]
 
 
 def _cpu_flags() -> str:
@@ -69,6 +69,11 @@ def _cpu_flags() -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def cpu_flag(name: str) -> bool:
+    """Whether this CPU lists ``name`` among its flags (/proc/cpuinfo)."""
+    return name in _cpu_flags().split()
 
 
 def cpu_march() -> str:

@@ -1,17 +1,18 @@
-"""Decode at low concurrency: the small-batch linear against oneDNN, in one process (docs/benchmarks.md).
+"""ferry's tiled bfloat16 linear kernel against oneDNN, in one process (docs/benchmarks.md).
 
 Two measurements, each alternating both paths round by round on the same data (a shared
 2-core machine moves by 10-30 % from one minute to the next):
 
 - ``linears``: one decode step's linear layers of SmolLM2-135M at M rows (30 layers x the
   fused q/k/v, o, fused gate/up and down products, every layer its own weights, so they are
-  read from memory as in a forward), oneDNN's packed product against the small-batch kernel;
-  ms per step and the weight bytes read per second;
-- ``steps``: the offline engine's decode steps at a batch of B requests (200-token prompts,
-  64 output tokens each), with every bfloat16 layer's small-batch path on and then off (the
-  same loaded model: the path is a per-layer attribute), ms per decode step.
+  read from memory as in a forward), oneDNN's packed product against the tiled kernel; ms
+  per step and the weight bytes read per second; and the LM head (576 -> 49,152) at M rows;
+- ``steps``: the offline engine at a batch of B requests (200-token prompts, 64 output tokens
+  each), every bfloat16 layer on the tiled kernel for every product and then on oneDNN (the
+  same loaded model, both copies kept: the row limit is a per-layer attribute); ms per decode
+  step with all B requests decoding, and per prompt step (a step with prompt tokens in it).
 
-    python -m services.engine.bench_small_batch --out /tmp/b/small-batch.json
+    python -m services.engine.bench_tiled_linear --out /tmp/b/tiled-linear.json
 
 bfloat16 on a CPU with AVX512-BF16 only (the kernel's instruction); elsewhere it says so.
 """
@@ -39,7 +40,9 @@ def run_linears(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, An
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=gen).to(dt) for k, n in SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
-    tiles = [[kernels.small_batch_pack(w) for w in layer] for layer in weights]
+    tiles = [[kernels.tiled_pack(w) for w in layer] for layer in weights]
+    head = torch.randn(49152, 576, generator=gen).to(dt)
+    head_packed, head_tiles = torch.ops.mkldnn._reorder_linear_weight(head, 64), kernels.tiled_pack(head)
     nbytes = sum(2 * k * n for k, n in SHAPES) * LAYERS
     empty = torch.empty(0)
     out = []
@@ -51,34 +54,43 @@ def run_linears(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, An
                 for (k, _), p in zip(SHAPES, layer, strict=True):
                     torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
 
-        def small() -> None:
+        def tiled() -> None:
             for layer in tiles:
                 for (k, _), t in zip(SHAPES, layer, strict=True):
-                    kernels.small_batch_linear(xs[k], t, empty)
+                    kernels.tiled_linear(xs[k], t, empty)
 
-        times: dict[str, list[float]] = {"onednn": [], "small_batch": []}
+        x_head = xs[576]
+        times: dict[str, list[float]] = {"onednn": [], "tiled": [], "head_onednn": [], "head_tiled": []}
         for _ in range(rounds):
-            for name, fn in (("onednn", onednn), ("small_batch", small)):
+            for name, fn in (("onednn", onednn), ("tiled", tiled),
+                             ("head_onednn", lambda: torch.ops.mkldnn._linear_pointwise(x_head, head_packed, None, "none", [], "")),
+                             ("head_tiled", lambda: kernels.tiled_linear(x_head, head_tiles, empty))):
                 fn()
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
         row = {"rows": m, **{f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in times.items()}}
-        row.update({f"{k}_gb_s": round(nbytes / statistics.median(v) / 1e9, 1) for k, v in times.items()})
-        print(f"linears, {m} rows, {LAYERS} layers: oneDNN {row['onednn_ms']} ms ({row['onednn_gb_s']} GB/s of weights), "
-              f"small-batch {row['small_batch_ms']} ms ({row['small_batch_gb_s']} GB/s)", flush=True)
+        flops = 2 * m * nbytes / 2
+        row.update({f"{k}_gflop_s": round(flops / statistics.median(times[k]) / 1e9) for k in ("onednn", "tiled")})
+        row.update({f"{k}_gb_s": round(nbytes / statistics.median(times[k]) / 1e9, 1) for k in ("onednn", "tiled")})
+        print(f"linears, {m} rows, {LAYERS} layers: oneDNN {row['onednn_ms']} ms ({row['onednn_gflop_s']} GFLOP/s, "
+              f"{row['onednn_gb_s']} GB/s of weights), tiled {row['tiled_ms']} ms ({row['tiled_gflop_s']} GFLOP/s, "
+              f"{row['tiled_gb_s']} GB/s), x{row['onednn_ms'] / row['tiled_ms']:.2f}; LM head oneDNN "
+              f"{row['head_onednn_ms']} ms, tiled {row['head_tiled_ms']} ms", flush=True)
         out.append(row)
     return out
 
 
 def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, Any]]:
+    import os
+
+    os.environ["FERRY_CPU_TILED_LINEAR"] = "small"  # both copies kept; the row limit is switched below
     from services.engine.offline import LLM, GenerationParams
-    from services.worker.packed_linear import PackedLinear
+    from services.worker.packed_linear import ALL_ROWS, PackedLinear
 
     llm = LLM(dtype="bfloat16", num_threads=threads)
-    layers = [m for m in llm.runner.model.modules() if isinstance(m, PackedLinear) and m._small is not None]
-    saved = [m._small for m in layers]
-    print(f"{len(layers)} linear layers with the small-batch path", flush=True)
+    layers = [m for m in llm.runner.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]
+    print(f"{len(layers)} linear layers with the tiled kernel", flush=True)
     execute = llm.runner.execute
     times: list[tuple[int, float]] = []
 
@@ -93,22 +105,23 @@ def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, A
     rng = random.Random(0)
     out = []
     for b in batches:
-        per: dict[str, list[float]] = {"onednn": [], "small_batch": []}
+        decode: dict[str, list[float]] = {"onednn": [], "tiled": []}
+        prompt: dict[str, list[float]] = {"onednn": [], "tiled": []}
         for _ in range(rounds):
-            for name in ("onednn", "small_batch"):
-                for m, fn in zip(layers, saved, strict=True):
-                    m._small = fn if name == "small_batch" else None
+            for name in ("onednn", "tiled"):
+                for m in layers:
+                    m.tiled_rows = ALL_ROWS if name == "tiled" else 0
                 prompts = [[rng.randrange(1000, 40000) for _ in range(200)] for _ in range(b)]
                 times.clear()
                 llm._run(prompts, [params] * b)
-                decode = [t for n, t in times if n == b][8:]  # every request decoding, past the first steps
-                per[name].append(statistics.median(decode))
-        row = {"batch": b, **{f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in per.items()}}
-        print(f"decode step, batch {b}: oneDNN {row['onednn_ms']} ms, small-batch {row['small_batch_ms']} ms "
-              f"({row['small_batch_ms'] / row['onednn_ms']:.2f}x)", flush=True)
+                decode[name].append(statistics.median([t for n, t in times if n == b][8:]))  # all decoding
+                prompt[name].append(statistics.median([t for n, t in times if n > b]))
+        row = {"batch": b, **{f"decode_{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in decode.items()},
+               **{f"prompt_{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in prompt.items()}}
+        print(f"batch {b}: decode step oneDNN {row['decode_onednn_ms']} ms, tiled {row['decode_tiled_ms']} ms "
+              f"({row['decode_tiled_ms'] / row['decode_onednn_ms']:.2f}x); prompt step oneDNN {row['prompt_onednn_ms']} "
+              f"ms, tiled {row['prompt_tiled_ms']} ms ({row['prompt_tiled_ms'] / row['prompt_onednn_ms']:.2f}x)", flush=True)
         out.append(row)
-    for m, fn in zip(layers, saved, strict=True):
-        m._small = fn
     llm.close()
     return out
 
@@ -116,18 +129,18 @@ def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="linears,steps")
-    p.add_argument("--rows", default="1,2,4,8", help="rows per product (linears)")
-    p.add_argument("--batches", default="1,4,8", help="requests decoding together (steps)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,2048", help="rows per product (linears)")
+    p.add_argument("--batches", default="1,4,16,64", help="requests decoding together (steps)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from services.worker.packed_linear import _small_batch_kernels
+    from services.worker.packed_linear import _tiled_kernels
 
-    kernels = _small_batch_kernels()
+    kernels = _tiled_kernels()
     if kernels is None:
-        print("no small-batch kernel here (it needs AVX512-BF16 and the CPU kernels' build)")
+        print("no tiled kernel here (it needs AVX512-BF16 and the CPU kernels' build)")
         return 1
     parts = set(args.parts.split(","))
     result: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds}
