@@ -14,9 +14,11 @@ generate ``output_tokens`` tokens, those products have known shapes:
 ``measure`` times each of those shapes on this machine, with the given threads and
 dtype, through both of PyTorch's CPU GEMM libraries: ``torch.matmul`` (MKL in float32,
 oneDNN in bfloat16) and oneDNN on a weight packed once into its blocked layout
-(``mkldnn._linear_pointwise``, what ferry's and vLLM's CPU linears call), and keeps the
-best of a few trials of the faster (a limit is what the hardware can do, not what it did
-beside other jobs). The two differ most in float32 on AMD CPUs, where MKL takes a slow
+(``mkldnn._linear_pointwise``, what vLLM's CPU linears call), and in bfloat16 through
+ferry's tiled kernel where this CPU has it (services/worker/backends/csrc/tiled_linear.cpp,
+what ferry's bfloat16 linears call since the nineteenth session: faster than oneDNN at
+decode sizes), and keeps the best of a few trials of the fastest (a limit is what the
+hardware can do, not what it did beside other jobs). The two differ most in float32 on AMD CPUs, where MKL takes a slow
 path: on a Zen 5 EPYC oneDNN ran these shapes at 2.1-2.9x MKL's rate. The limit is then the
 trace's FLOPs at those rates: no attention, norms, sampling or serving, so no
 server can beat it; the board reports each server's throughput as a share of it.
@@ -102,7 +104,20 @@ def _rates(m: int, k: int, n: int, dtype: Any, min_s: float, trials: int) -> dic
                                          flops, min_s, trials)
         except (RuntimeError, AttributeError):  # a torch without the packed-linear ops: matmul alone
             pass
+    kernels = _tiled_kernels() if dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0 else None
+    if kernels is not None:
+        tiles, no_bias = kernels.tiled_pack(weight), torch.empty(0)
+        rates["tiled"] = _best_rate(lambda: kernels.tiled_linear(x, tiles, no_bias), flops, min_s, trials)
     return rates
+
+
+def _tiled_kernels() -> Any | None:
+    """ferry's tiled bfloat16 kernel, where this CPU and build have it (else None)."""
+    try:
+        from services.worker.packed_linear import _tiled_kernels as load
+    except ImportError:
+        return None
+    return load()
 
 
 def measure(dims: ModelDims, trace: TraceShape, dtype_name: str, threads: int,

@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = TraceShape(args.num_requests, args.prompt_tokens, args.max_tokens)
     limits = {}
     for dtype in dtypes:
-        log(f"GEMM limit, {dtype}, {threads} threads: timing the trace's shapes (torch.matmul and packed oneDNN)")
+        log(f"GEMM limit, {dtype}, {threads} threads: timing the trace's shapes (torch.matmul, packed oneDNN and, in bfloat16, ferry's tiled kernel)")
         limits[dtype] = measure_in_child(hf_dir, shape, dtype, threads)
         log(f"GEMM limit, {dtype}: {limits[dtype]['output_tok_s']:.1f} out tok/s ({limits[dtype]['seconds']:.1f} s)")
     traces = make_traces(args)

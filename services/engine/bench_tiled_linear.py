@@ -8,9 +8,10 @@ Two measurements, each alternating both paths round by round on the same data (a
   read from memory as in a forward), oneDNN's packed product against the tiled kernel; ms
   per step and the weight bytes read per second; and the LM head (576 -> 49,152) at M rows;
 - ``steps``: the offline engine at a batch of B requests (200-token prompts, 64 output tokens
-  each), every bfloat16 layer on the tiled kernel for every product and then on oneDNN (the
-  same loaded model, both copies kept: the row limit is a per-layer attribute); ms per decode
-  step with all B requests decoding, and per prompt step (a step with prompt tokens in it).
+  each), every bfloat16 layer on oneDNN, then on the tiled kernel with the MLP's SiLU as a
+  pass of its own, then with the SiLU applied in the gate/up product (the same loaded model,
+  both copies kept: the row limit and the gated product are per-module attributes); ms per
+  decode step with all B requests decoding, and per prompt step (a step with prompt tokens).
 
     python -m services.engine.bench_tiled_linear --out /tmp/b/tiled-linear.json
 
@@ -86,11 +87,15 @@ def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, A
 
     os.environ["FERRY_CPU_TILED_LINEAR"] = "small"  # both copies kept; the row limit is switched below
     from services.engine.offline import LLM, GenerationParams
+    from services.worker.fused_ops import FusedSiluMLP
     from services.worker.packed_linear import ALL_ROWS, PackedLinear
 
     llm = LLM(dtype="bfloat16", num_threads=threads)
     layers = [m for m in llm.runner.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]
-    print(f"{len(layers)} linear layers with the tiled kernel", flush=True)
+    mlps = [m for m in llm.runner.model.modules() if isinstance(m, FusedSiluMLP) and m._gated is not None]
+    gated = [m._gated for m in mlps]
+    print(f"{len(layers)} linear layers with the tiled kernel, {len(mlps)} MLPs with its gated product", flush=True)
+    arms = ("onednn", "tiled_separate", "tiled")
     execute = llm.runner.execute
     times: list[tuple[int, float]] = []
 
@@ -105,12 +110,14 @@ def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, A
     rng = random.Random(0)
     out = []
     for b in batches:
-        decode: dict[str, list[float]] = {"onednn": [], "tiled": []}
-        prompt: dict[str, list[float]] = {"onednn": [], "tiled": []}
+        decode: dict[str, list[float]] = {a: [] for a in arms}
+        prompt: dict[str, list[float]] = {a: [] for a in arms}
         for _ in range(rounds):
-            for name in ("onednn", "tiled"):
+            for name in arms:
                 for m in layers:
-                    m.tiled_rows = ALL_ROWS if name == "tiled" else 0
+                    m.tiled_rows = 0 if name == "onednn" else ALL_ROWS
+                for mlp, fn in zip(mlps, gated, strict=True):
+                    mlp._gated = fn if name == "tiled" else None
                 prompts = [[rng.randrange(1000, 40000) for _ in range(200)] for _ in range(b)]
                 times.clear()
                 llm._run(prompts, [params] * b)
@@ -118,9 +125,11 @@ def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, A
                 prompt[name].append(statistics.median([t for n, t in times if n > b]))
         row = {"batch": b, **{f"decode_{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in decode.items()},
                **{f"prompt_{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in prompt.items()}}
-        print(f"batch {b}: decode step oneDNN {row['decode_onednn_ms']} ms, tiled {row['decode_tiled_ms']} ms "
-              f"({row['decode_tiled_ms'] / row['decode_onednn_ms']:.2f}x); prompt step oneDNN {row['prompt_onednn_ms']} "
-              f"ms, tiled {row['prompt_tiled_ms']} ms ({row['prompt_tiled_ms'] / row['prompt_onednn_ms']:.2f}x)", flush=True)
+        for part in ("decode", "prompt"):
+            base = row[f"{part}_onednn_ms"]
+            print(f"batch {b}, {part} step: oneDNN {base} ms; tiled, SiLU apart {row[f'{part}_tiled_separate_ms']} ms "
+                  f"({row[f'{part}_tiled_separate_ms'] / base:.2f}x); tiled, SiLU in the product "
+                  f"{row[f'{part}_tiled_ms']} ms ({row[f'{part}_tiled_ms'] / base:.2f}x)", flush=True)
         out.append(row)
     llm.close()
     return out

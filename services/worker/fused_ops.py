@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .packed_linear import FusedHead, FusedPart, fast_cpu_dtype
+from .packed_linear import FusedHead, FusedPart, PackedLinear, fast_cpu_dtype
 
 log = logging.getLogger("ferry.worker.fused_ops")
 
@@ -98,7 +98,15 @@ class FusedRMSNorm(nn.Module):
 
 
 class FusedSiluMLP(nn.Module):
-    """``down(silu(gate) * up)`` over the fused gate/up product, the activation in one pass."""
+    """``down(silu(gate) * up)`` over the fused gate/up product, the activation in one pass.
+
+    Where the gate/up layer is on the tiled bfloat16 kernel (packed_linear.py), the
+    activation is applied to the kernel's accumulators before anything is stored
+    (``tiled_silu_linear``: the same bits as the product followed by ``silu_and_mul``), so
+    the [tokens, 2 x intermediate] product is never written and read back: ~7 % of a
+    2,048-token prompt step on SmolLM2-135M (docs/benchmarks.md, "One bfloat16 linear kernel
+    for every batch").
+    """
 
     def __init__(self, gate_up: nn.Module, down_proj: nn.Module, intermediate: int, kernels: Any) -> None:
         super().__init__()
@@ -106,9 +114,17 @@ class FusedSiluMLP(nn.Module):
         self.down_proj = down_proj
         self.intermediate = intermediate
         self._kernels = kernels
+        self._gated: Callable[..., torch.Tensor] | None = None
+        if (isinstance(gate_up, PackedLinear) and gate_up.tiles is not None and gate_up.out_features == 2 * intermediate
+                and intermediate % 16 == 0):
+            self._gated = getattr(kernels, "tiled_silu_linear", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._kernels.silu_and_mul(self.gate_up(x)))
+        gu = self.gate_up
+        if (self._gated is not None and isinstance(gu, PackedLinear) and gu.tiles is not None
+                and x.numel() <= gu.tiled_rows * gu.in_features):
+            return self.down_proj(self._gated(x if x.is_contiguous() else x.contiguous(), gu.tiles, gu._bias32))
+        return self.down_proj(self._kernels.silu_and_mul(gu(x)))
 
 
 def _rotary(original: Callable[..., Any], kernels: Any) -> Callable[..., Any]:

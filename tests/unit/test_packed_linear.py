@@ -192,6 +192,63 @@ def test_tiled_kernel_refuses_what_it_cannot_compute() -> None:
         k.tiled_pack(torch.randn(32, 63).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64, 130])
+@pytest.mark.parametrize("intermediate", [16, 48, 80])
+def test_tiled_silu_product_is_the_product_then_silu_and_mul_bit_for_bit(bias: bool, rows: int,
+                                                                         intermediate: int) -> None:
+    """The gated MLP's first product with the activation on the accumulators rounds as the
+    product followed by silu_and_mul does: the same bits, for the stream and the block rows."""
+    k = _tiled_kernels()
+    gen = torch.Generator().manual_seed(rows + intermediate + bias)
+    w = torch.randn(2 * intermediate, 576, generator=gen).to(torch.bfloat16)
+    b = torch.randn(2 * intermediate, generator=gen) if bias else torch.empty(0)
+    x = (torch.randn(1, rows, 576, generator=gen) * 3).to(torch.bfloat16)  # gate values on both sides of 0
+    tiles = k.tiled_pack(w)
+    got = k.tiled_silu_linear(x, tiles, b)
+    want = k.silu_and_mul(k.tiled_linear(x, tiles, b))
+    assert got.shape == (1, rows, intermediate) and torch.equal(got, want)
+    gate, up = F.linear(x.float(), w.float(), b if bias else None).split(intermediate, dim=-1)
+    exact = F.silu(gate) * up
+    assert torch.allclose(got.float(), exact, rtol=2.0**-6, atol=1e-2 * float(exact.abs().max()))
+
+
+def test_tiled_silu_product_refuses_what_it_cannot_compute() -> None:
+    k = _tiled_kernels()
+    odd = k.tiled_pack(torch.randn(48, 64).to(torch.bfloat16))  # three tiles: no gate and up halves
+    with pytest.raises(RuntimeError, match="gate and an up half"):
+        k.tiled_silu_linear(torch.randn(2, 64).to(torch.bfloat16), odd, torch.empty(0))
+    tiles = k.tiled_pack(torch.randn(64, 64).to(torch.bfloat16))
+    assert k.tiled_silu_linear(torch.empty(0, 64, dtype=torch.bfloat16), tiles, torch.empty(0)).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="input width"):
+        k.tiled_silu_linear(torch.randn(2, 48).to(torch.bfloat16), tiles, torch.empty(0))
+
+
+def test_fused_mlp_applies_the_activation_in_the_tiled_product() -> None:
+    """A model's MLPs on the tiled kernel take the gated product, with the same outputs as
+    the gate/up product followed by silu_and_mul."""
+    _tiled_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    from transformers import AutoModelForCausalLM
+
+    from services.worker.fused_ops import FusedSiluMLP, fuse_elementwise
+
+    model = AutoModelForCausalLM.from_pretrained(cached_tiny_model("llama"), dtype=torch.bfloat16).eval()
+    body = model.get_decoder()
+    fuse_projections(body, torch.bfloat16, CPU)
+    pack_linears(body, torch.bfloat16, CPU)
+    assert fuse_elementwise(body, torch.bfloat16, CPU)["silu_mlp"] == len(body.layers)
+    mlp = body.layers[0].mlp
+    assert isinstance(mlp, FusedSiluMLP) and mlp._gated is not None
+    h = (torch.randn(1, 37, mlp.gate_up.in_features, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
+    with torch.inference_mode():
+        gated = mlp(h)
+        mlp._gated = None
+        plain = mlp(h)
+    assert torch.equal(gated, plain)
+
+
 def _two_layers(gen: torch.Generator) -> nn.Module:
     model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40)).to(torch.bfloat16)  # 40: no tiles
     with torch.no_grad():

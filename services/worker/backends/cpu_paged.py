@@ -56,7 +56,7 @@ SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", 
 FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged",
              "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa",
-             "tiled_linear_available", "tiled_pack", "tiled_linear"]
+             "tiled_linear_available", "tiled_pack", "tiled_linear", "tiled_silu_linear"]
 
 
 def _cpu_flags() -> str:
@@ -109,7 +109,7 @@ def load_extension() -> Any:
         extra_cflags=cflags, extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(CSRC)], verbose=False,
     )
-    log.info("CPU kernels (paged decode, prefill attention, fused ops, int8 quantization, small-batch linear) ready in %.1fs", time.monotonic() - t0)
+    log.info("CPU kernels (paged decode, prefill attention, fused ops, int8 quantization, tiled bfloat16 linear) ready in %.1fs", time.monotonic() - t0)
     return module
 
 

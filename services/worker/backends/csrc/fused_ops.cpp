@@ -74,18 +74,8 @@ static inline void add_norm_row(const T* x, const T* delta, const T* w, T* sum, 
 // out[i] = T(T(silu(gate[i])) * up[i]), as act_fn(gate) * up does.
 template <typename T>
 static inline void silu_row(const T* g, const T* u, T* out, int64_t d) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   for (int64_t i = 0; i < d; i += 16) {
-    const __m512 gv = load16(g + i);
-    // sigmoid(x) = 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below: exp only of -|x|.
-    const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(
-        _mm512_castps_si512(gv), _mm512_andnot_si512(abs_mask, _mm512_set1_epi32(-1))));
-    const __m512 e = exp16(neg_abs);
-    const __m512 denom = _mm512_add_ps(one, e);
-    const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), denom);
-    const __m512 act = as_stored<T>(_mm512_mul_ps(gv, sig));
+    const __m512 act = as_stored<T>(silu16(load16(g + i)));  // vec512.h
     store16(out + i, _mm512_mul_ps(act, load16(u + i)));
   }
 }

@@ -106,6 +106,50 @@ static void blocked(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* ti
     }
   });
 }
+
+// The gated MLP's first product, silu(x Wg^T) * (x Wu^T), with [Wg; Wu] as one weight's tiles:
+// a gate tile and its up tile (n16 / 2 tiles further on) against R rows, then the
+// activation on the accumulators before anything is stored. Each of gate and up is rounded
+// to bfloat16 first and the activation once more, as the gate/up product followed by
+// silu_and_mul rounds them, so the result is the same bits; what is saved is writing the
+// [M, 2I] product and reading it back.
+template <int R>
+static void gated_block(const uint32_t* x, int64_t k2, const uint32_t* gate, const uint32_t* up, const float* gbias,
+                        const float* ubias, c10::BFloat16* y, int64_t ldy) {
+  __m512 g[R], u[R];
+  const __m512 gb = gbias ? _mm512_loadu_ps(gbias) : _mm512_setzero_ps();
+  const __m512 ub = ubias ? _mm512_loadu_ps(ubias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) g[r] = gb, u[r] = ub;
+  for (int64_t p = 0; p < k2; ++p) {
+    const __m512bh wg = (__m512bh)_mm512_load_si512(gate + p * 16);
+    const __m512bh wu = (__m512bh)_mm512_load_si512(up + p * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * k2 + p]));
+      g[r] = _mm512_dpbf16_ps(g[r], a, wg);
+      u[r] = _mm512_dpbf16_ps(u[r], a, wu);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    store16(y + r * ldy, _mm512_mul_ps(round_bf16(silu16(round_bf16(g[r]))), round_bf16(u[r])));
+}
+
+using GatedFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, const float*, const float*,
+                         c10::BFloat16*, int64_t);
+
+static void gated(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* tiles, int64_t n, const float* bias,
+                  c10::BFloat16* y) {
+  static const GatedFn by_rows[BLOCK_ROWS] = {&gated_block<1>, &gated_block<2>, &gated_block<3>, &gated_block<4>,
+                                              &gated_block<5>, &gated_block<6>, &gated_block<7>, &gated_block<8>};
+  const int64_t ts = k2 * 16, half = n / 32, width = n / 2;  // tiles per half, outputs
+  at::parallel_for(0, half, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < m; r += BLOCK_ROWS) {
+        const int64_t nr = std::min(BLOCK_ROWS, m - r);
+        by_rows[nr - 1](x + r * k2, k2, tiles + t * ts, tiles + (t + half) * ts, bias ? bias + 16 * t : nullptr,
+                        bias ? bias + width + 16 * t : nullptr, y + r * width + 16 * t, width);
+      }
+  });
+}
 #endif
 }  // namespace tiled
 
@@ -167,6 +211,33 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor b
     tiled::stream<2>(xp, k2, tp, n, bp, yp);
   else
     tiled::blocked(xp, m, k2, tp, n, bp, yp);
+#endif
+  return y;
+}
+
+// x [..., K] bfloat16, contiguous; tiles from tiled_pack of [Wg; Wu] (2I outputs, I a multiple
+// of 16); bias [2I] float32 or empty -> silu(x Wg^T + bg) * (x Wu^T + bu), [..., I] bfloat16:
+// the same bits as tiled_linear followed by silu_and_mul.
+torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias) {
+  TORCH_CHECK(tiled_linear_available(), "this build has no AVX512-BF16 tiled linear");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "contiguous bfloat16 rows");
+  TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.dim() == 3 && tiles.size(2) == 16 && tiles.is_contiguous(),
+              "tiles from tiled_pack");
+  TORCH_CHECK(tiles.size(0) % 2 == 0, "a gate and an up half of whole tiles (2I outputs, I a multiple of 16)");
+  const int64_t k2 = tiles.size(1), n = tiles.size(0) * 16, k = 2 * k2;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "rows of the weight's input width");
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n),
+              "a float32 bias of N or none");
+  auto sizes = x.sizes().vec();
+  sizes.back() = n / 2;
+  auto y = torch::empty(sizes, x.options());
+  if (m == 0) return y;
+#if defined(__AVX512BF16__)
+  tiled::gated(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), m, k2,
+               reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>()), n, has_bias ? bias.data_ptr<float>() : nullptr,
+               y.data_ptr<c10::BFloat16>());
 #endif
   return y;
 }

@@ -69,4 +69,16 @@ static inline void store16(c10::BFloat16* p, __m512 x) {
 static inline __m512 round_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
 }
+
+// silu(g) = g * sigmoid(g), the sigmoid from e^-|g| alone (never overflows): 1 / (1 + e^-g)
+// for g >= 0, e^g / (1 + e^g) below. fused_ops.cpp's silu_and_mul and tiled_linear.cpp's
+// gated product both compute it here, so they give the same bits.
+static inline __m512 silu16(__m512 gv) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m512 e = exp16(neg_abs);
+  const __m512 denom = _mm512_add_ps(one, e);
+  const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mul_ps(gv, _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), denom));
+}
 #endif
