@@ -113,41 +113,58 @@ static void blocked(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* ti
 // to bfloat16 first and the activation once more, as the gate/up product followed by
 // silu_and_mul rounds them, so the result is the same bits; what is saved is writing the
 // [M, 2I] product and reading it back.
-template <int R>
-static void gated_block(const uint32_t* x, int64_t k2, const uint32_t* gate, const uint32_t* up, const float* gbias,
-                        const float* ubias, c10::BFloat16* y, int64_t ldy) {
-  __m512 g[R], u[R];
-  const __m512 gb = gbias ? _mm512_loadu_ps(gbias) : _mm512_setzero_ps();
-  const __m512 ub = ubias ? _mm512_loadu_ps(ubias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) g[r] = gb, u[r] = ub;
+template <int R, int P>
+static void gated_block(const uint32_t* x, int64_t k2, const uint32_t* gate, const uint32_t* up, int64_t ts,
+                        const float* gbias, const float* ubias, c10::BFloat16* y, int64_t ldy) {
+  __m512 g[R][P], u[R][P];
+  for (int q = 0; q < P; ++q) {
+    const __m512 gb = gbias ? _mm512_loadu_ps(gbias + 16 * q) : _mm512_setzero_ps();
+    const __m512 ub = ubias ? _mm512_loadu_ps(ubias + 16 * q) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) g[r][q] = gb, u[r][q] = ub;
+  }
   for (int64_t p = 0; p < k2; ++p) {
-    const __m512bh wg = (__m512bh)_mm512_load_si512(gate + p * 16);
-    const __m512bh wu = (__m512bh)_mm512_load_si512(up + p * 16);
+    __m512bh wg[P], wu[P];
+    for (int q = 0; q < P; ++q) {
+      wg[q] = (__m512bh)_mm512_load_si512(gate + q * ts + p * 16);
+      wu[q] = (__m512bh)_mm512_load_si512(up + q * ts + p * 16);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * k2 + p]));
-      g[r] = _mm512_dpbf16_ps(g[r], a, wg);
-      u[r] = _mm512_dpbf16_ps(u[r], a, wu);
+      for (int q = 0; q < P; ++q) {
+        g[r][q] = _mm512_dpbf16_ps(g[r][q], a, wg[q]);
+        u[r][q] = _mm512_dpbf16_ps(u[r][q], a, wu[q]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
-    store16(y + r * ldy, _mm512_mul_ps(round_bf16(silu16(round_bf16(g[r]))), round_bf16(u[r])));
+    for (int q = 0; q < P; ++q)
+      store16(y + r * ldy + 16 * q, _mm512_mul_ps(round_bf16(silu16(round_bf16(g[r][q]))), round_bf16(u[r][q])));
 }
 
-using GatedFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, const float*, const float*,
-                         c10::BFloat16*, int64_t);
+using GatedFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, const float*,
+                         const float*, c10::BFloat16*, int64_t);
+constexpr int64_t GATED_ROWS = 6;  // 6 rows x 2 pairs of tiles: 24 accumulators, as the plain blocks have
+
+template <int P>
+struct GatedBlocks {
+  static constexpr GatedFn by_rows[GATED_ROWS] = {&gated_block<1, P>, &gated_block<2, P>, &gated_block<3, P>,
+                                                  &gated_block<4, P>, &gated_block<5, P>, &gated_block<6, P>};
+};
 
 static void gated(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* tiles, int64_t n, const float* bias,
                   c10::BFloat16* y) {
-  static const GatedFn by_rows[BLOCK_ROWS] = {&gated_block<1>, &gated_block<2>, &gated_block<3>, &gated_block<4>,
-                                              &gated_block<5>, &gated_block<6>, &gated_block<7>, &gated_block<8>};
   const int64_t ts = k2 * 16, half = n / 32, width = n / 2;  // tiles per half, outputs
-  at::parallel_for(0, half, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t r = 0; r < m; r += BLOCK_ROWS) {
-        const int64_t nr = std::min(BLOCK_ROWS, m - r);
-        by_rows[nr - 1](x + r * k2, k2, tiles + t * ts, tiles + (t + half) * ts, bias ? bias + 16 * t : nullptr,
-                        bias ? bias + width + 16 * t : nullptr, y + r * width + 16 * t, width);
+  const int64_t groups = (half + 1) / 2;                       // two gate tiles (and their up tiles) a group
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t t = 2 * g;
+      const GatedFn* fns = t + 2 <= half ? GatedBlocks<2>::by_rows : GatedBlocks<1>::by_rows;
+      for (int64_t r = 0; r < m; r += GATED_ROWS) {
+        const int64_t nr = std::min(GATED_ROWS, m - r);
+        fns[nr - 1](x + r * k2, k2, tiles + t * ts, tiles + (t + half) * ts, ts, bias ? bias + 16 * t : nullptr,
+                    bias ? bias + width + 16 * t : nullptr, y + r * width + 16 * t, width);
       }
+    }
   });
 }
 #endif
