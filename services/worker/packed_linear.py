@@ -22,10 +22,10 @@ bfloat16 products go to a kernel of ferry's own where the CPU has AVX512-BF16 an
 (``csrc/tiled_linear.cpp``, ``_add_tiled``): the weight laid out once in the operand order of
 ``vdpbf16ps``, one sequential stream per thread at one or two rows (a decode step at low
 concurrency, where a product is a read of its weight: oneDNN read it at 13.5-20 GB/s, this
-kernel at ~29), blocks of 8 rows x 48 outputs past that. It ran the model's products 1.05-1.35x
-faster than oneDNN's packed kernels from 1 to 2,048 rows on the Zen 4 EPYC (docs/benchmarks.md,
-"One bfloat16 linear kernel for every batch"), so there it takes every product and oneDNN's
-copy of the weight is dropped. On a CPU with AMX, whose tile instructions oneDNN uses, it takes
+kernel at ~32), blocks of 8 rows x 48 outputs past that. On the Zen 4 EPYC it ran the model's
+products 1.5-1.8x as fast as oneDNN's packed kernels at 1-8 rows, 1.13x at 64 and level from
+256 to 2,048 rows (docs/benchmarks.md, "One bfloat16 linear kernel for every batch"), so there
+it takes every product and oneDNN's copy of the weight is dropped. On a CPU with AMX, whose tile instructions oneDNN uses, it takes
 only products of up to ``SMALL_BATCH_ROWS`` rows and oneDNN keeps the rest (and its copy).
 It sums in another order than oneDNN, so its outputs are within one bfloat16 step of
 oneDNN's, not bit for bit; a row's result does not depend on how many rows are computed with
@@ -260,7 +260,7 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) ->
     return swapped
 
 
-def tiled_rows(dtype: torch.dtype, kernels: Any | None = None) -> int:
+def tiled_rows(dtype: torch.dtype) -> int:
     """How many rows at most a bfloat16 product sends to the tiled kernel (0: none).
 
     ``FERRY_CPU_TILED_LINEAR``: ``auto`` (default) every product where the CPU has no AMX,

@@ -2,7 +2,8 @@
 
 float32: greedy chat completions equal transformers' ``generate`` token for token.
 bfloat16: the logprobs of the tokens it picks stay close to float32's for the same
-tokens. About 30-40 s on 2 shared cores (three model loads, short outputs).
+tokens, and on the tiled bfloat16 kernel they are the same bits alone as in a batch.
+About 40 s on 2 shared cores (four model loads, short outputs).
 """
 
 from __future__ import annotations
@@ -62,3 +63,25 @@ def test_bfloat16_logprobs_are_close_to_float32(fp32: LLM) -> None:
     assert len(diffs) >= len(CHATS) * 4, "bfloat16 diverged from float32 almost at once"
     assert max(diffs) < 0.5
     assert sum(diffs) / len(diffs) < 0.1
+
+
+def test_bfloat16_outputs_do_not_depend_on_the_batch_on_the_tiled_kernel() -> None:
+    """With every bfloat16 product on the tiled kernel (a row's sums in the same order at any
+    row count) and attention's work items whole requests, a request's logprobs are the same
+    bits alone as inside a batch. On oneDNN they were not (docs/benchmarks.md, "One bfloat16
+    linear kernel for every batch": 4 of 38 greedy outputs changed)."""
+    from services.worker.packed_linear import ALL_ROWS, _tiled_kernels, tiled_rows
+
+    if _tiled_kernels() is None or tiled_rows(torch.bfloat16) < ALL_ROWS:
+        pytest.skip("the tiled kernel does not take every bfloat16 product on this CPU or build")
+    chats = CHATS + [[{"role": "user", "content": q}] for q in (
+        "List the planets of the solar system.", "What does a ferry do?", "Count from one to ten in French.",
+        "Give me a short tip for writing clear emails.")]
+    params = GenerationParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM(dtype="bfloat16", kv_cache_memory=64 << 20, num_threads=2)
+    prompts = [llm.chat_token_ids(c) for c in chats]
+    together = llm.generate(prompts, params, decode=False)
+    for prompt, out in zip(prompts, together, strict=True):
+        alone = llm.generate([prompt], params, decode=False)[0]
+        assert alone.token_ids == out.token_ids
+        assert alone.logprobs == out.logprobs  # every logprob, bit for bit

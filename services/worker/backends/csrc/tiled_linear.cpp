@@ -14,8 +14,9 @@
 //   cycle per core with 12 or more, 0.65 with 4), 3 weight vectors and 8 broadcast k-pairs per
 //   24 dot products. Each thread takes a contiguous range of 48-output groups and runs every
 //   row block against a group while its tiles are in L1/L2. On the Zen 4 EPYC this ran the
-//   model's products 1.05-1.35x faster than oneDNN's packed kernels from 4 to 2,048 rows
-//   (docs/benchmarks.md, "One bfloat16 linear kernel for every batch").
+//   model's products 1.5x as fast as oneDNN's packed kernels at 4-8 rows, 1.13x at 64 and
+//   level from 256 to 2,048 rows, at the instruction's throughput (docs/benchmarks.md, "One
+//   bfloat16 linear kernel for every batch").
 //
 // float32 sums from the bias, k-pairs in order, one rounding to bfloat16 at the end: every
 // output is the same sequence of instructions whatever the number of rows, so a row's result
@@ -108,7 +109,7 @@ static void blocked(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* ti
 }
 
 // The gated MLP's first product, silu(x Wg^T) * (x Wu^T), with [Wg; Wu] as one weight's tiles:
-// a gate tile and its up tile (n16 / 2 tiles further on) against R rows, then the
+// P gate tiles and their up tiles (n16 / 2 tiles further on) against R rows, then the
 // activation on the accumulators before anything is stored. Each of gate and up is rounded
 // to bfloat16 first and the activation once more, as the gate/up product followed by
 // silu_and_mul rounds them, so the result is the same bits; what is saved is writing the
