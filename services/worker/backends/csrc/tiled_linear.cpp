@@ -200,35 +200,51 @@ torch::Tensor tiled_pack(torch::Tensor weight) {
   return tiles;
 }
 
-// x [..., K] bfloat16, contiguous, tiles from tiled_pack, bias [N] float32 or an empty tensor
-// -> x @ weight^T (+ bias), [..., N] bfloat16.
-torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias) {
+namespace {
+struct Checked {
+  int64_t k2, n, m;
+  const float* bias;
+};
+
+// The checks both products make: contiguous bfloat16 rows of the weight's input width, tiles
+// from tiled_pack, a float32 bias of N or none.
+Checked check(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& bias) {
   TORCH_CHECK(tiled_linear_available(), "this build has no AVX512-BF16 tiled linear");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "contiguous bfloat16 rows");
   TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.dim() == 3 && tiles.size(2) == 16 && tiles.is_contiguous(),
               "tiles from tiled_pack");
   const int64_t k2 = tiles.size(1), n = tiles.size(0) * 16, k = 2 * k2;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "rows of the weight's input width");
-  const int64_t m = k == 0 ? 0 : x.numel() / k;
   const bool has_bias = bias.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n),
               "a float32 bias of N or none");
+  return {k2, n, k == 0 ? 0 : x.numel() / k, has_bias ? bias.data_ptr<float>() : nullptr};
+}
+
+torch::Tensor rows_of(const torch::Tensor& x, int64_t width) {
   auto sizes = x.sizes().vec();
-  sizes.back() = n;
-  auto y = torch::empty(sizes, x.options());
-  if (m == 0) return y;
+  sizes.back() = width;
+  return torch::empty(sizes, x.options());
+}
+}  // namespace
+
+// x [..., K] bfloat16, contiguous, tiles from tiled_pack, bias [N] float32 or an empty tensor
+// -> x @ weight^T (+ bias), [..., N] bfloat16.
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias) {
+  const Checked c = check(x, tiles, bias);
+  auto y = rows_of(x, c.n);
+  if (c.m == 0) return y;
 #if defined(__AVX512BF16__)
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
   const uint32_t* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
-  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   static_assert(tiled::STREAM_ROWS == 2, "the stream cases below");
-  if (m == 1)
-    tiled::stream<1>(xp, k2, tp, n, bp, yp);
-  else if (m == 2)
-    tiled::stream<2>(xp, k2, tp, n, bp, yp);
+  if (c.m == 1)
+    tiled::stream<1>(xp, c.k2, tp, c.n, c.bias, yp);
+  else if (c.m == 2)
+    tiled::stream<2>(xp, c.k2, tp, c.n, c.bias, yp);
   else
-    tiled::blocked(xp, m, k2, tp, n, bp, yp);
+    tiled::blocked(xp, c.m, c.k2, tp, c.n, c.bias, yp);
 #endif
   return y;
 }
@@ -237,25 +253,13 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor b
 // of 16); bias [2I] float32 or empty -> silu(x Wg^T + bg) * (x Wu^T + bu), [..., I] bfloat16:
 // the same bits as tiled_linear followed by silu_and_mul.
 torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias) {
-  TORCH_CHECK(tiled_linear_available(), "this build has no AVX512-BF16 tiled linear");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "contiguous bfloat16 rows");
-  TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.dim() == 3 && tiles.size(2) == 16 && tiles.is_contiguous(),
-              "tiles from tiled_pack");
+  const Checked c = check(x, tiles, bias);
   TORCH_CHECK(tiles.size(0) % 2 == 0, "a gate and an up half of whole tiles (2I outputs, I a multiple of 16)");
-  const int64_t k2 = tiles.size(1), n = tiles.size(0) * 16, k = 2 * k2;
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "rows of the weight's input width");
-  const int64_t m = k == 0 ? 0 : x.numel() / k;
-  const bool has_bias = bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n),
-              "a float32 bias of N or none");
-  auto sizes = x.sizes().vec();
-  sizes.back() = n / 2;
-  auto y = torch::empty(sizes, x.options());
-  if (m == 0) return y;
+  auto y = rows_of(x, c.n / 2);
+  if (c.m == 0) return y;
 #if defined(__AVX512BF16__)
-  tiled::gated(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), m, k2,
-               reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>()), n, has_bias ? bias.data_ptr<float>() : nullptr,
-               y.data_ptr<c10::BFloat16>());
+  tiled::gated(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), c.m, c.k2,
+               reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>()), c.n, c.bias, y.data_ptr<c10::BFloat16>());
 #endif
   return y;
 }
