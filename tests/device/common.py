@@ -103,8 +103,8 @@ def run_stage(name: str, body: Callable[[Options, Stage], None], argv: list[str]
     stage.data["seconds"] = round(time.time() - stage.data["started"], 1)
     stage.save()
     print(f"[{name}] {stage.data['status']} in {stage.data['seconds']}s", file=sys.stderr, flush=True)
-    if stage.data["status"] == "fail":
-        print(stage.data["traceback"], file=sys.stderr)
+    if stage.data["status"] == "fail":  # a judged failure has no traceback, only its error
+        print(stage.data.get("traceback") or stage.data.get("error", ""), file=sys.stderr)
 
 
 class SkipStage(Exception):

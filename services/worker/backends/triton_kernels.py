@@ -37,7 +37,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NEG = -1.0e30  # a finite -inf: exp2(NEG - m) is 0 for any real m, and NEG - NEG is 0, not NaN
+# A finite -inf: exp2(NEG - m) is 0 for any real m, and NEG - NEG is 0, not NaN. A constexpr,
+# because compiled kernels may read no other global (the interpreter does not check this).
+NEG = tl.constexpr(-1.0e30)
 MIN_DOT = 16  # tl.dot wants every dimension >= 16
 # Keys per inner-loop step: several pages at once (each key looks up its own page), so a
 # step moves enough bytes to keep loads in flight and the dots are not 16 wide.
