@@ -29,9 +29,11 @@ class BatchTiming:
 
 
 def run_batch(runner: Any, batch: int, prompt_len: int, decode_steps: int, budget: int, vocab: int,
-              first_block: int = 0, seed: int = 0) -> BatchTiming:
+              first_block: int = 0, seed: int = 0, around_decode: Any = None) -> BatchTiming:
     """Prefill ``batch`` random prompts (whole prompts per step, up to ``budget`` tokens),
-    then run ``decode_steps`` decode steps; the requests are finished at the end."""
+    then run ``decode_steps`` decode steps; the requests are finished at the end.
+    ``around_decode``: a context manager entered around the decode steps alone (a profiler)."""
+    import contextlib
     import random
 
     rng = random.Random(seed)
@@ -56,13 +58,20 @@ def run_batch(runner: Any, batch: int, prompt_len: int, decode_steps: int, budge
                                 num_scheduled_tokens={r.req_id: prompt_len for r in chunk},
                                 total_num_scheduled_tokens=prompt_len * len(chunk)))
     prefill_s = time.perf_counter() - t0
-    times = []
+    with around_decode if around_decode is not None else contextlib.nullcontext():
+        times = _decode(runner, reqs, step_id, decode_steps, batch)
+    step_id += decode_steps
+    runner.execute(StepPlan(step_id=step_id + 1, finished_req_ids=[r.req_id for r in reqs]))
+    mid_ctx = prompt_len + decode_steps // 2 + 1
+    return BatchTiming(batch, prompt_len, prefill_s, times, kv_tokens_read=batch * mid_ctx)
+
+
+def _decode(runner: Any, reqs: list[NewRequestData], step_id: int, decode_steps: int, batch: int) -> list[float]:
+    times: list[float] = []
     for _ in range(decode_steps):
         step_id += 1
         t = time.perf_counter()
         runner.execute(StepPlan(step_id=step_id, num_scheduled_tokens={r.req_id: 1 for r in reqs},
                                 total_num_scheduled_tokens=batch))
         times.append(time.perf_counter() - t)
-    runner.execute(StepPlan(step_id=step_id + 1, finished_req_ids=[r.req_id for r in reqs]))
-    mid_ctx = prompt_len + decode_steps // 2 + 1
-    return BatchTiming(batch, prompt_len, prefill_s, times, kv_tokens_read=batch * mid_ctx)
+    return times

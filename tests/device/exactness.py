@@ -4,7 +4,10 @@
   steps mix prefill chunks and decodes, and decode-only steps replay CUDA graphs);
 - bfloat16: ferry's logprobs of its own greedy tokens against transformers' float32
   logprobs of the same sequence (teacher-forced), and the fraction of positions
-  where bf16 greedy picks the float32 argmax.
+  where bf16 greedy picks the float32 argmax; beside them the same two numbers for
+  transformers' own bfloat16 forward of those sequences (the control: how far bf16
+  itself moves this model). ferry passes when it is within the absolute thresholds or
+  no further from float32 than transformers' bf16 is, with a margin.
 
 The model has the default model's architecture with random weights (common.py says why).
 """
@@ -17,9 +20,14 @@ from tests.device.common import SMOLLM2_135M, TINY, Options, SkipStage, Stage, b
 
 PROMPT_LENS = (5, 17, 33, 64, 100, 129)
 MAX_TOKENS = 32
-# Pass thresholds for bf16 against the float32 model (documented in docs/benchmarks.md).
+# Pass thresholds for bf16 against the float32 model (documented in docs/benchmarks.md):
+# absolute, or relative to transformers' own bf16 (the first GPU run, 2026-12-04, found
+# bf16 moving this random-weight model far more than 0.15: the control tells the kernels'
+# error from the precision's).
 BF16_MEAN_LOGPROB_DIFF = 0.15
 BF16_TOP1_AGREEMENT = 0.9
+BF16_VS_CONTROL = 1.25  # ferry's mean difference at most this times transformers' bf16 difference
+BF16_TOP1_VS_CONTROL = 0.05  # ferry's top-1 agreement at most this far below transformers' bf16
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -48,12 +56,13 @@ def hf_greedy(model_dir: str, ids: list[list[int]], device: str) -> list[list[in
     return out
 
 
-def hf_logprobs(model_dir: str, seqs: list[tuple[list[int], list[int]]], device: str) -> list[list[float]]:
-    """float32 logprob of each generated token given everything before it, and the argmax."""
+def hf_logprobs(model_dir: str, seqs: list[tuple[list[int], list[int]]], device: str,
+                dtype: str = "float32") -> list[list[tuple[float, int]]]:
+    """(logprob of each generated token given everything before it, the argmax), teacher-forced."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     model.to(device).eval()
     result = []
     with torch.inference_mode():
@@ -104,22 +113,41 @@ def body(opts: Options, stage: Stage) -> None:
         stage.data["status"] = "fail"
         stage.data["error"] = f"{len(mismatches)}/{len(ids)} prompts differ from transformers generate in float32"
     outs16, _ = ferry_generate(model_dir, ids, "bfloat16", opts.device, logprobs=True)
-    ref = hf_logprobs(model_dir, [(p, o.token_ids) for p, o in zip(ids, outs16, strict=True)], opts.device)
+    seqs = [(p, o.token_ids) for p, o in zip(ids, outs16, strict=True)]
+    ref = hf_logprobs(model_dir, seqs, opts.device)
+    control = hf_logprobs(model_dir, seqs, opts.device, "bfloat16")
+    ferry_rows = [[(lp.sampled.logprob, t) for lp, t in zip(o.logprobs or [], o.token_ids, strict=False)]
+                  for o in outs16]
+    mean, worst, top1 = compare(ferry_rows, ref)
+    c_mean, c_worst, c_top1 = compare(control, ref)
+    f_vs_c, _, _ = compare(ferry_rows, control)
+    stage.record("bf16_mean_abs_logprob_diff", round(mean, 4))
+    stage.record("bf16_max_abs_logprob_diff", round(worst, 4))
+    stage.record("bf16_top1_agreement", round(top1, 4))
+    stage.record("hf_bf16_mean_abs_logprob_diff", round(c_mean, 4))
+    stage.record("hf_bf16_max_abs_logprob_diff", round(c_worst, 4))
+    stage.record("hf_bf16_top1_agreement", round(c_top1, 4))
+    stage.record("bf16_ferry_vs_hf_bf16_mean_abs_logprob_diff", round(f_vs_c, 4))
+    mean_ok = mean <= max(BF16_MEAN_LOGPROB_DIFF, BF16_VS_CONTROL * c_mean)
+    top1_ok = top1 >= min(BF16_TOP1_AGREEMENT, c_top1 - BF16_TOP1_VS_CONTROL)
+    # On the CPU dry run bf16 says nothing about the GPU's bf16 kernels: recorded, not judged.
+    if not opts.cpu_dry_run and not (mean_ok and top1_ok):
+        stage.data["status"] = "fail"
+        stage.data["error"] = (stage.data.get("error", "") + " bf16 logprobs further from float32 than "
+                               "transformers' own bf16").strip()
+
+
+def compare(rows: list[list[tuple[float, int]]], ref: list[list[tuple[float, int]]]) -> tuple[float, float, float]:
+    """Mean and max |logprob - ref logprob| of the same tokens, and how often ``rows``' token
+    (for a forward: its argmax) is ref's argmax."""
     diffs: list[float] = []
     agree = total = 0
-    for o, r in zip(outs16, ref, strict=True):
-        for lp, (ref_lp, _) in zip(o.logprobs or [], r, strict=False):
-            diffs.append(abs(lp.sampled.logprob - ref_lp))
-        agree += sum(1 for t, (_, top) in zip(o.token_ids, r, strict=False) if t == top)
-        total += len(r)
-    mean = sum(diffs) / max(1, len(diffs))
-    stage.record("bf16_mean_abs_logprob_diff", round(mean, 4))
-    stage.record("bf16_max_abs_logprob_diff", round(max(diffs, default=0.0), 4))
-    stage.record("bf16_top1_agreement", round(agree / max(1, total), 4))
-    # On the CPU dry run bf16 says nothing about the GPU's bf16 kernels: recorded, not judged.
-    if not opts.cpu_dry_run and (mean > BF16_MEAN_LOGPROB_DIFF or agree / max(1, total) < BF16_TOP1_AGREEMENT):
-        stage.data["status"] = "fail"
-        stage.data["error"] = (stage.data.get("error", "") + " bf16 logprobs far from float32").strip()
+    for row, r in zip(rows, ref, strict=True):
+        for (lp, tok), (ref_lp, ref_top) in zip(row, r, strict=False):
+            diffs.append(abs(lp - ref_lp))
+            agree += tok == ref_top
+            total += 1
+    return sum(diffs) / max(1, len(diffs)), max(diffs, default=0.0), agree / max(1, total)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 STAGES = ["kernels", "exactness", "throughput_small", "throughput_8b", "serve"]
+OPT_IN = ["profile"]  # listed only when they ran
 
 
 def load(work: Path) -> dict[str, Any]:
     stages: dict[str, Any] = {}
-    for name in STAGES:
+    for name in STAGES + OPT_IN:
         path = work / f"{name}.json"
+        if name in OPT_IN and not path.is_file():
+            continue
         if not path.is_file():
             stages[name] = {"stage": name, "status": "not run"}
             continue
@@ -61,11 +64,15 @@ def headline(stage: dict[str, Any]) -> str:
     if stage.get("stage") == "exactness":
         return (f"fp32 token-exact {n.get('fp32_token_exact')}, graph replays {n.get('fp32_graph_replays')}, "
                 f"bf16 mean abs logprob diff {n.get('bf16_mean_abs_logprob_diff')}, "
-                f"top-1 {n.get('bf16_top1_agreement')}")
+                f"top-1 {n.get('bf16_top1_agreement')} (transformers' bf16: "
+                f"{n.get('hf_bf16_mean_abs_logprob_diff')}, top-1 {n.get('hf_bf16_top1_agreement')})")
     if str(stage.get("stage", "")).startswith("throughput"):
         parts = [f"{k}: {v.get('decode_step_ms')} ms ({v.get('x_roofline')}x roof)"
                  for k, v in n.items() if isinstance(v, dict) and "decode_step_ms" in v]
         return "; ".join(parts[:8])
+    if stage.get("stage") == "profile":
+        return "; ".join(f"{k}: {v.get('step_wall_us')} us wall, {v.get('device_us')} us kernels"
+                         for k, v in n.items() if isinstance(v, dict) and "step_wall_us" in v)
     if stage.get("stage") == "serve":
         s = n.get("summary", {})
         return (f"{s.get('completed')} done, {s.get('output_tok_s', 0):.0f} out tok/s, "
