@@ -175,6 +175,37 @@ def test_tiled_kernel_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(k.tiled_linear(x[lo:hi].contiguous(), tiles, bias), full[lo:hi]), (lo, hi)
 
 
+def test_tiled_kernel_threads_take_each_others_groups_and_miss_none() -> None:
+    """With two threads and a process busy beside them, a thread done with its own range of
+    groups takes the other's last ones (work_split.h): every output is still written, and
+    with the same bits, run after run."""
+    import subprocess
+    import sys
+
+    k = _tiled_kernels()
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(1536 * 2, 576, generator=gen).to(torch.bfloat16)
+    tiles = k.tiled_pack(w)
+    x = torch.randn(37, 576, generator=gen).to(torch.bfloat16)
+    want = F.linear(x.float(), w.float())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        first = k.tiled_linear(x, tiles, torch.empty(0))
+        gated_first = k.tiled_silu_linear(x, tiles, torch.empty(0))
+        # every output written: none is far from the float32 product (sums of ~24 in size; one
+        # near zero can round differently in float32, so an absolute margin too)
+        assert torch.all((first.float() - want).abs() <= want.abs() * 2.0**-8 + 1e-3)
+        for _ in range(30):
+            assert torch.equal(k.tiled_linear(x, tiles, torch.empty(0)), first)
+            assert torch.equal(k.tiled_silu_linear(x, tiles, torch.empty(0)), gated_first)
+    finally:
+        busy.kill()
+        busy.wait()
+        torch.set_num_threads(threads)
+
+
 def test_tiled_kernel_refuses_what_it_cannot_compute() -> None:
     k = _tiled_kernels()
     tiles = k.tiled_pack(torch.randn(32, 64).to(torch.bfloat16))
