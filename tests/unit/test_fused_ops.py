@@ -66,6 +66,22 @@ def test_rms_norm_matches_llama_rms_norm(rows: int, width: int, dtype: torch.dty
 
 
 @DTYPES
+def test_rms_norm_rows_in_fours_are_the_rows_alone(dtype: torch.dtype) -> None:
+    """The kernels norm four rows at a time (four sums of squares in flight), each row's sum in
+    the order a row alone has: a row's bits do not depend on its neighbours."""
+    k = _kernels()
+    x = (torch.randn(13, 576, generator=_gen(13)) * 3).to(dtype)
+    delta = torch.randn(13, 576, generator=_gen(14)).to(dtype)
+    weight = (torch.rand(576, generator=_gen(2)) + 0.5).to(dtype)
+    together = k.rms_norm(x, weight, 1e-5)
+    summed, normed = k.add_rms_norm(x, delta, weight, 1e-5)
+    for r in range(13):
+        assert torch.equal(together[r], k.rms_norm(x[r : r + 1].contiguous(), weight, 1e-5)[0]), r
+        one_sum, one_norm = k.add_rms_norm(x[r : r + 1].contiguous(), delta[r : r + 1].contiguous(), weight, 1e-5)
+        assert torch.equal(summed[r], one_sum[0]) and torch.equal(normed[r], one_norm[0]), r
+
+
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 5, 200])
 @pytest.mark.parametrize("inter", [32, 1536])
 def test_silu_and_mul_matches_act_times_up(rows: int, inter: int, dtype: torch.dtype) -> None:
