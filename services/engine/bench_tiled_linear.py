@@ -11,7 +11,9 @@ Two measurements, each alternating both paths round by round on the same data (a
   each), every bfloat16 layer on oneDNN, then on the tiled kernel with the MLP's SiLU as a
   pass of its own, then with the SiLU applied in the gate/up product (the same loaded model,
   both copies kept: the row limit and the gated product are per-module attributes); ms per
-  decode step with all B requests decoding, and per prompt step (a step with prompt tokens).
+  decode step with all B requests decoding, and per prompt step (a step with prompt tokens);
+- ``prefetch`` (not in the default): the tiled kernel's next-group weight prefetch on and
+  off, the 30 layers' products and the LM head at M rows.
 
     python -m services.engine.bench_tiled_linear --out /tmp/b/tiled-linear.json
 
@@ -135,9 +137,47 @@ def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, A
     return out
 
 
+def run_prefetch(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, Any]]:
+    """The tiled kernel with its next-group weight prefetch on and off (``tiled_prefetch``),
+    alternating round by round: the 30 layers' products as the model runs them (q/k/v, o,
+    gate/up with the SiLU, down; weights from memory) and the LM head (two copies, taken in
+    turn, so neither stays in the cache)."""
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    body = [(kernels.tiled_pack(torch.randn(n, k, generator=gen).to(dt)), k, n == 3072)
+            for _ in range(LAYERS) for k, n in SHAPES]
+    heads = [kernels.tiled_pack(torch.randn(49152, 576, generator=gen).to(dt)) for _ in range(2)]
+    empty = torch.empty(0)
+    out = []
+    try:
+        for m in rows:
+            xs = {k: torch.randn(m, k, generator=gen).to(dt) for k in {k for k, _ in SHAPES}}
+            times: dict[str, list[float]] = {"body_on": [], "body_off": [], "head_on": [], "head_off": []}
+            for i in range(2 * rounds):
+                on = i % 2 == 0
+                kernels.tiled_prefetch(on)
+                t0 = time.perf_counter()
+                for t, k, gated in body:
+                    (kernels.tiled_silu_linear if gated else kernels.tiled_linear)(xs[k], t, empty)
+                t1 = time.perf_counter()
+                kernels.tiled_linear(xs[576], heads[i // 2 % 2], empty)
+                t2 = time.perf_counter()
+                key = "on" if on else "off"
+                times[f"body_{key}"].append(t1 - t0)
+                times[f"head_{key}"].append(t2 - t1)
+            row = {"rows": m, **{f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in times.items()}}
+            print(f"prefetch, {m} rows: body {row['body_on_ms']} ms on, {row['body_off_ms']} off "
+                  f"({row['body_on_ms'] / row['body_off_ms']:.3f}); LM head {row['head_on_ms']} on, "
+                  f"{row['head_off_ms']} off ({row['head_on_ms'] / row['head_off_ms']:.3f})", flush=True)
+            out.append(row)
+    finally:
+        kernels.tiled_prefetch(True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="linears,steps")
+    p.add_argument("--parts", default="linears,steps", help="linears, steps, prefetch (comma-separated)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,2048", help="rows per product (linears)")
     p.add_argument("--batches", default="1,4,16,64", help="requests decoding together (steps)")
     p.add_argument("--rounds", type=int, default=5)
@@ -155,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds}
     if "linears" in parts:
         result["linears"] = run_linears(kernels, [int(x) for x in args.rows.split(",")], args.rounds)
+    if "prefetch" in parts:
+        result["prefetch"] = run_prefetch(kernels, [int(x) for x in args.rows.split(",")], args.rounds)
     if "steps" in parts:
         result["steps"] = run_steps([int(x) for x in args.batches.split(",")], args.rounds, args.threads)
     if args.out:

@@ -206,6 +206,26 @@ def test_tiled_kernel_threads_take_each_others_groups_and_miss_none() -> None:
         torch.set_num_threads(threads)
 
 
+def test_tiled_kernel_prefetch_changes_no_bit() -> None:
+    """The next group's weights are prefetched by the current group's row blocks: a hint to
+    the cache, never a value. On and off give the same bits, plain and gated, at row counts
+    with one, several and many row blocks."""
+    k = _tiled_kernels()
+    gen = torch.Generator().manual_seed(12)
+    tiles = k.tiled_pack(torch.randn(3072 + 96, 576, generator=gen).to(torch.bfloat16))
+    bias = torch.randn(3072 + 96, generator=gen)
+    try:
+        for rows in (3, 16, 64, 130):
+            x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+            k.tiled_prefetch(True)
+            on = (k.tiled_linear(x, tiles, bias), k.tiled_silu_linear(x, tiles, bias))
+            k.tiled_prefetch(False)
+            off = (k.tiled_linear(x, tiles, bias), k.tiled_silu_linear(x, tiles, bias))
+            assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1]), rows
+    finally:
+        k.tiled_prefetch(True)
+
+
 def test_tiled_kernel_refuses_what_it_cannot_compute() -> None:
     k = _tiled_kernels()
     tiles = k.tiled_pack(torch.randn(32, 64).to(torch.bfloat16))

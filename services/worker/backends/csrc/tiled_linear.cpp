@@ -36,9 +36,30 @@
 #include "work_split.h"
 
 namespace tiled {
+inline bool PF = true;  // tiled_prefetch
 constexpr int64_t STREAM_ROWS = 2;  // up to here one stream per thread; past it row blocks
 constexpr int64_t BLOCK_ROWS = 8;
 constexpr int64_t BLOCK_TILES = 3;
+
+// Lines of the weight a thread's next group will read (the tiles right after its current
+// group's), prefetched by the current group's row blocks, a share each, at most one line
+// per k-step (pf.p + 64 p at step p < pf.lines; pointer and count in registers). At 16-64
+// rows a group's tiles come from memory once and serve 2-8 row blocks, and the first block
+// waited on memory; with the next group's lines already on their way the products ran 3-6 %
+// faster (LM head 5 %), level at 1-2 rows (the streamed path, no blocks) and from 256 rows
+// (docs/benchmarks.md, "Work taken from a thread that lost its core"). tiled_prefetch(false)
+// turns it off for A/B runs (bench_tiled_linear --parts prefetch).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t lines = 0;
+};
+
+// The share of [begin, begin + bytes) that row block `block` of `blocks` prefetches.
+static inline Prefetch share(const void* begin, int64_t bytes, int64_t block, int64_t blocks) {
+  if (bytes <= 0) return {};
+  const int64_t lines = (bytes + 63) / 64, per = (lines + blocks - 1) / blocks, first = block * per;
+  return {static_cast<const char*>(begin) + 64 * first, std::max<int64_t>(0, std::min(per, lines - first))};
+}
 
 #if defined(__AVX512BF16__)
 template <int64_t M>
@@ -68,13 +89,14 @@ static void stream(const uint32_t* x, int64_t k2, const uint32_t* tiles, int64_t
 // R rows (row stride k2 words) against T tiles (stride ts words): the same sums as tile_rows
 template <int R, int T>
 static void block(const uint32_t* x, int64_t k2, const uint32_t* tile, int64_t ts, const float* bias,
-                  c10::BFloat16* y, int64_t ldy) {
+                  c10::BFloat16* y, int64_t ldy, Prefetch pf) {
   __m512 acc[R][T];
   for (int t = 0; t < T; ++t) {
     const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) acc[r][t] = b;
   }
   for (int64_t p = 0; p < k2; ++p) {
+    if (p < pf.lines) __builtin_prefetch(pf.p + 64 * p, 0, 2);
     __m512bh w[T];
     for (int t = 0; t < T; ++t) w[t] = (__m512bh)_mm512_load_si512(tile + t * ts + p * 16);
     for (int r = 0; r < R; ++r) {
@@ -86,7 +108,8 @@ static void block(const uint32_t* x, int64_t k2, const uint32_t* tile, int64_t t
     for (int t = 0; t < T; ++t) store16(y + r * ldy + 16 * t, acc[r][t]);
 }
 
-using BlockFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const float*, c10::BFloat16*, int64_t);
+using BlockFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const float*, c10::BFloat16*, int64_t,
+                        Prefetch);
 
 template <int T>
 struct Blocks {
@@ -101,9 +124,11 @@ static void blocked(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* ti
   parallel_stealing(groups, [&](int64_t g) {
     const int64_t t0 = g * BLOCK_TILES, nt = std::min(BLOCK_TILES, n16 - t0);
     const BlockFn* fns = by_tiles[nt - 1];
-    for (int64_t r = 0; r < m; r += BLOCK_ROWS) {
+    const int64_t blocks = (m + BLOCK_ROWS - 1) / BLOCK_ROWS, next = std::min(BLOCK_TILES, n16 - t0 - nt);
+    for (int64_t r = 0, i = 0; r < m; r += BLOCK_ROWS, ++i) {
       const int64_t nr = std::min(BLOCK_ROWS, m - r);
-      fns[nr - 1](x + r * k2, k2, tiles + t0 * ts, ts, bias ? bias + 16 * t0 : nullptr, y + r * n + 16 * t0, n);
+      fns[nr - 1](x + r * k2, k2, tiles + t0 * ts, ts, bias ? bias + 16 * t0 : nullptr, y + r * n + 16 * t0, n,
+                  next > 0 && PF ? share(tiles + (t0 + nt) * ts, 4 * ts * next, i, blocks) : Prefetch{});
     }
   });
 }
@@ -116,7 +141,8 @@ static void blocked(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* ti
 // [M, 2I] product and reading it back.
 template <int R, int P>
 static void gated_block(const uint32_t* x, int64_t k2, const uint32_t* gate, const uint32_t* up, int64_t ts,
-                        const float* gbias, const float* ubias, c10::BFloat16* y, int64_t ldy) {
+                        const float* gbias, const float* ubias, c10::BFloat16* y, int64_t ldy, Prefetch pg,
+                        Prefetch pu) {
   __m512 g[R][P], u[R][P];
   for (int q = 0; q < P; ++q) {
     const __m512 gb = gbias ? _mm512_loadu_ps(gbias + 16 * q) : _mm512_setzero_ps();
@@ -124,6 +150,8 @@ static void gated_block(const uint32_t* x, int64_t k2, const uint32_t* gate, con
     for (int r = 0; r < R; ++r) g[r][q] = gb, u[r][q] = ub;
   }
   for (int64_t p = 0; p < k2; ++p) {
+    if (p < pg.lines) __builtin_prefetch(pg.p + 64 * p, 0, 2);
+    if (p < pu.lines) __builtin_prefetch(pu.p + 64 * p, 0, 2);
     __m512bh wg[P], wu[P];
     for (int q = 0; q < P; ++q) {
       wg[q] = (__m512bh)_mm512_load_si512(gate + q * ts + p * 16);
@@ -143,7 +171,7 @@ static void gated_block(const uint32_t* x, int64_t k2, const uint32_t* gate, con
 }
 
 using GatedFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, const float*,
-                         const float*, c10::BFloat16*, int64_t);
+                         const float*, c10::BFloat16*, int64_t, Prefetch, Prefetch);
 constexpr int64_t GATED_ROWS = 6;  // 6 rows x 2 pairs of tiles: 24 accumulators, as the plain blocks have
 
 template <int P>
@@ -159,10 +187,14 @@ static void gated(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* tile
   parallel_stealing(groups, [&](int64_t g) {
     const int64_t t = 2 * g;
     const GatedFn* fns = t + 2 <= half ? GatedBlocks<2>::by_rows : GatedBlocks<1>::by_rows;
-    for (int64_t r = 0; r < m; r += GATED_ROWS) {
+    const int64_t blocks = (m + GATED_ROWS - 1) / GATED_ROWS, next = std::min<int64_t>(2, half - t - 2);
+    for (int64_t r = 0, i = 0; r < m; r += GATED_ROWS, ++i) {
       const int64_t nr = std::min(GATED_ROWS, m - r);
+      const bool pf = next > 0 && PF;
       fns[nr - 1](x + r * k2, k2, tiles + t * ts, tiles + (t + half) * ts, ts, bias ? bias + 16 * t : nullptr,
-                  bias ? bias + width + 16 * t : nullptr, y + r * width + 16 * t, width);
+                  bias ? bias + width + 16 * t : nullptr, y + r * width + 16 * t, width,
+                  pf ? share(tiles + (t + 2) * ts, 4 * ts * next, i, blocks) : Prefetch{},
+                  pf ? share(tiles + (t + 2 + half) * ts, 4 * ts * next, i, blocks) : Prefetch{});
     }
   });
 }
@@ -261,3 +293,5 @@ torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
 #endif
   return y;
 }
+// The next-group weight prefetch on (the default) or off, for A/B measurements.
+void tiled_prefetch(bool on) { tiled::PF = on; }
