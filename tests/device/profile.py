@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from typing import Any
 
 from tests.device.common import (
@@ -105,7 +104,6 @@ def body(opts: Options, stage: Stage) -> None:
         gc.collect()
         if opts.device == "cuda":
             torch.cuda.empty_cache()
-        time.sleep(0)
 
 
 if __name__ == "__main__":
