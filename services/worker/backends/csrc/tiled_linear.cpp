@@ -36,7 +36,7 @@
 #include "work_split.h"
 
 namespace tiled {
-inline bool PF = true;  // tiled_prefetch
+inline bool prefetch_next = true;  // the next-group weight prefetch; tiled_prefetch sets it
 constexpr int64_t STREAM_ROWS = 2;  // up to here one stream per thread; past it row blocks
 constexpr int64_t BLOCK_ROWS = 8;
 constexpr int64_t BLOCK_TILES = 3;
@@ -128,7 +128,7 @@ static void blocked(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* ti
     for (int64_t r = 0, i = 0; r < m; r += BLOCK_ROWS, ++i) {
       const int64_t nr = std::min(BLOCK_ROWS, m - r);
       fns[nr - 1](x + r * k2, k2, tiles + t0 * ts, ts, bias ? bias + 16 * t0 : nullptr, y + r * n + 16 * t0, n,
-                  next > 0 && PF ? share(tiles + (t0 + nt) * ts, 4 * ts * next, i, blocks) : Prefetch{});
+                  next > 0 && prefetch_next ? share(tiles + (t0 + nt) * ts, 4 * ts * next, i, blocks) : Prefetch{});
     }
   });
 }
@@ -190,7 +190,7 @@ static void gated(const uint32_t* x, int64_t m, int64_t k2, const uint32_t* tile
     const int64_t blocks = (m + GATED_ROWS - 1) / GATED_ROWS, next = std::min<int64_t>(2, half - t - 2);
     for (int64_t r = 0, i = 0; r < m; r += GATED_ROWS, ++i) {
       const int64_t nr = std::min(GATED_ROWS, m - r);
-      const bool pf = next > 0 && PF;
+      const bool pf = next > 0 && prefetch_next;
       fns[nr - 1](x + r * k2, k2, tiles + t * ts, tiles + (t + half) * ts, ts, bias ? bias + 16 * t : nullptr,
                   bias ? bias + width + 16 * t : nullptr, y + r * width + 16 * t, width,
                   pf ? share(tiles + (t + 2) * ts, 4 * ts * next, i, blocks) : Prefetch{},
@@ -294,4 +294,4 @@ torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
   return y;
 }
 // The next-group weight prefetch on (the default) or off, for A/B measurements.
-void tiled_prefetch(bool on) { tiled::PF = on; }
+void tiled_prefetch(bool on) { tiled::prefetch_next = on; }
