@@ -93,7 +93,8 @@ class SchedulerService:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.ctx = ctx or zmq.Context.instance()
+        self.owns_ctx = ctx is None  # a context of our own is terminated on close (see close())
+        self.ctx = ctx or zmq.Context()
         self.core: Scheduler | None = None
         self.ranks = RankTable(config.num_workers, config.block_size, config.worker_heartbeat_timeout_s)
         self.gateways: dict[str, float] = {}  # gateway_id -> last time heard from
@@ -157,6 +158,11 @@ class SchedulerService:
         self.plan_sock.close(linger=5000)
         self.gateway_sock.close(linger=0)
         self.result_sock.close(linger=0)
+        # The linger only holds when the context is terminated: pyzmq skips that at interpreter
+        # exit, and a process that exits first can take the queued Shutdown with it (CI saw a
+        # drain end with no Shutdown sent in 20 s). term() waits up to the linger, no longer.
+        if self.owns_ctx:
+            self.ctx.term()
 
     def run_once(self) -> None:
         """One iteration: drain inputs, check liveness, run at most one step, report."""

@@ -95,6 +95,15 @@ def _torch_threads() -> int:
 def serve(config: WorkerConfig) -> int:
     log.info("worker config: %s", config_as_dict(config))
     ctx = zmq.Context()
+    try:
+        return _serve(config, ctx)
+    finally:
+        # Terminating the context is what makes a closing socket's linger hold (pyzmq skips
+        # it at interpreter exit): a fatal WorkerError queued just before is sent, not lost.
+        ctx.destroy()
+
+
+def _serve(config: WorkerConfig, ctx: zmq.Context) -> int:
     plans = connect(ctx, zmq.SUB, config.plan_endpoint, SUBSCRIBE=b"")
     results = connect(ctx, zmq.PUSH, config.result_endpoint)
     parent = os.getppid()
