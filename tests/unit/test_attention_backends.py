@@ -467,3 +467,65 @@ def test_kernels_are_built_for_this_cpus_instruction_set() -> None:
         want = "portable"
     assert kernel.kernel_isa() == want
     assert bool(kernel.prefill_attention_available()) == (want != "portable")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_threads_take_each_others_items_and_change_no_bit(dtype: torch.dtype) -> None:
+    """The attention kernels split their work items by cost and a thread done with its own
+    range takes the other's from the back (work_split.h, parallel_by_cost): with a process busy
+    beside the two threads many items change thread, and every output is the bits of the split
+    done once (``attention_stealing(False)``), run after run: decode with one item per request
+    and per KV head, fresh prompts and chunks over a cached prefix."""
+    import subprocess
+    import sys
+
+    kernel = _cpu_kernels(prompts=True)
+    num_heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(21)
+    lens = [int(n) for n in torch.randint(1, 300, (40,), generator=gen)]
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen).view(len(lens), max_blocks).to(torch.int32).contiguous()
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    total = sum(lens)
+    qp = torch.randn(total, num_heads, head_dim, generator=gen).to(dtype)
+    kp = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    vp = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    starts = np.cumsum([0] + lens)
+    spans = torch.tensor([[int(a), int(b)] for a, b in zip(starts[:-1], starts[1:], strict=True)], dtype=torch.int64)
+    # chunks of the last 1-40 tokens of each context, its earlier tokens a cached prefix
+    tails = [min(n, 1 + i % 40) for i, n in enumerate(lens)]
+    cstarts = np.cumsum([0] + tails)
+    paged_spans = torch.tensor([[int(cstarts[i]), int(cstarts[i + 1]), n - t] for i, (n, t) in
+                                enumerate(zip(lens, tails, strict=True))], dtype=torch.int64)
+    qc = torch.randn(int(cstarts[-1]), num_heads, head_dim, generator=gen).to(dtype)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        few = kernel.paged_decode(q[:3], k_cache, v_cache, table[:3], seq_lens[:3], 0.125, True)  # per KV head
+        many = kernel.paged_decode(q, k_cache, v_cache, table, seq_lens, 0.125, True)  # per request
+        fresh = torch.empty_like(qp)
+        kernel.prefill_attention(qp, kp, vp, fresh, spans, 0.125, True)
+        cached = torch.empty_like(qc)
+        kernel.prefill_attention_paged(qc, cached, k_cache, v_cache, paged_spans, table, 0.125, True)
+        return few, many, fresh, cached
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        kernel.attention_stealing(False)
+        once = run()
+        kernel.attention_stealing(True)
+        for _ in range(10):
+            for got, want in zip(run(), once, strict=True):
+                assert torch.equal(got, want)
+    finally:
+        kernel.attention_stealing(True)
+        busy.kill()
+        busy.wait()
+        torch.set_num_threads(threads)
+    assert all(torch.isfinite(t.float()).all() for t in once)
+    assert once[1].abs().sum() > 0 and once[2].abs().sum() > 0

@@ -1033,3 +1033,7 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   });
 }
 
+
+// parallel_by_cost's work taking between threads (work_split.h) on (the default) or off, for
+// A/B measurements of the attention kernels.
+void attention_stealing(bool on) { cost_stealing = on; }

@@ -7,12 +7,43 @@
 #include <cstdint>
 #include <vector>
 
-// Work items [0, n) in contiguous ranges of about equal cost, one range per thread, each
-// run by f(begin, end). at::parallel_for splits by count, so a decode step whose requests
-// have very different context lengths, or a prompt step with a long cached prefix beside
-// fresh prompts, left one thread waiting on the other; the ranges stay contiguous and in
-// order (the decode kernel's next-item prefetch follows each thread's own items). An item
-// goes to the range its midpoint falls in.
+struct alignas(64) StealRange {
+  std::atomic<uint64_t> front_back;  // front << 32 | back: one word, so an item is taken once
+  void set(uint64_t front, uint64_t back) { front_back.store(front << 32 | back, std::memory_order_relaxed); }
+  // Up to `count` items (0: half of those left, at least one) from the front (its owner) or
+  // the back (another thread): [lo, hi), or false when the range is empty.
+  bool take(bool front, int64_t count, int64_t& lo_out, int64_t& hi_out) {
+    uint64_t v = front_back.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t lo = v >> 32, hi = v & 0xffffffffu;
+      if (lo >= hi) return false;
+      const uint64_t c = count > 0 ? std::min<uint64_t>(static_cast<uint64_t>(count), hi - lo)
+                                   : std::max<uint64_t>(1, (hi - lo) / 2);
+      const uint64_t next = front ? ((lo + c) << 32 | hi) : (lo << 32 | (hi - c));
+      if (front_back.compare_exchange_weak(v, next, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+        lo_out = static_cast<int64_t>(front ? lo : hi - c);
+        hi_out = static_cast<int64_t>(front ? lo + c : hi);
+        return true;
+      }
+    }
+  }
+};
+
+// Whether parallel_by_cost's threads take each other's items (attention_stealing sets it).
+inline bool cost_stealing = true;
+
+// Work items [0, n) in contiguous ranges of about equal cost, one range per thread, run by
+// f(begin, end) on pieces of it in order. at::parallel_for splits by count, so a decode step
+// whose requests have very different context lengths, or a prompt step with a long cached
+// prefix beside fresh prompts, left one thread waiting on the other; an item goes to the range
+// its midpoint falls in. Each thread runs its own range front to back, each time half of what
+// is left of it (the decode kernel's next-item prefetch follows a piece's items, and breaks
+// between pieces: an eighth at a time cost 2-4 % on a quiet machine, halves 0-2 %); a thread
+// done with its own takes the others' items from their backs, one at a time, so that a thread
+// that lost its core to another process (the gateway, the scheduler, the load's client on a
+// 2-core machine) does not leave the other waiting at the end of the kernel, as
+// parallel_stealing (below) does for the linear layers (docs/benchmarks.md, "Attention work
+// taken between threads"). Which thread runs an item changes nothing in what it computes.
 template <typename Cost, typename F>
 static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
@@ -30,9 +61,22 @@ static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
     while (t < threads && acc + c / 2 >= total * t / threads) bounds[t++] = i;
     acc += c;
   }
+  if (!cost_stealing || n >= (int64_t{1} << 32)) {
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        if (bounds[t] < bounds[t + 1]) f(bounds[t], bounds[t + 1]);
+    });
+    return;
+  }
+  std::vector<StealRange> ranges(threads);
+  for (int64_t t = 0; t < threads; ++t) ranges[t].set(bounds[t], bounds[t + 1]);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      if (bounds[t] < bounds[t + 1]) f(bounds[t], bounds[t + 1]);
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t lo, hi;
+      while (ranges[t].take(true, 0, lo, hi)) f(lo, hi);
+      for (int64_t k = 1; k < threads; ++k)
+        while (ranges[(t + k) % threads].take(false, 1, lo, hi)) f(lo, hi);
+    }
   });
 }
 
@@ -44,10 +88,6 @@ static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
 // busy 20 % of a core the model's products ran 9-13 % faster than split once, level when
 // quiet (docs/benchmarks.md, "Work taken from a thread that lost its core"). Which thread
 // runs an item changes nothing in what the item computes.
-struct alignas(64) StealRange {
-  std::atomic<uint64_t> front_back;  // front << 32 | back: one word, so an item is taken once
-};
-
 template <typename F>
 static void parallel_stealing(int64_t n, F&& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
@@ -56,25 +96,13 @@ static void parallel_stealing(int64_t n, F&& f) {
     return;
   }
   std::vector<StealRange> ranges(threads);
-  for (int64_t t = 0; t < threads; ++t)
-    ranges[t].front_back.store(static_cast<uint64_t>(n * t / threads) << 32 | static_cast<uint64_t>(n * (t + 1) / threads),
-                               std::memory_order_relaxed);
-  // take one item from the front (own range) or the back (another's); -1 when it is empty
-  auto take = [](StealRange& r, bool front) -> int64_t {
-    uint64_t v = r.front_back.load(std::memory_order_relaxed);
-    for (;;) {
-      const uint64_t lo = v >> 32, hi = v & 0xffffffffu;
-      if (lo >= hi) return -1;
-      const uint64_t next = front ? ((lo + 1) << 32 | hi) : (lo << 32 | (hi - 1));
-      if (r.front_back.compare_exchange_weak(v, next, std::memory_order_acq_rel, std::memory_order_relaxed))
-        return static_cast<int64_t>(front ? lo : hi - 1);
-    }
-  };
+  for (int64_t t = 0; t < threads; ++t) ranges[t].set(n * t / threads, n * (t + 1) / threads);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i; (i = take(ranges[t], true)) >= 0;) f(i);
+      int64_t i, stop;
+      while (ranges[t].take(true, 1, i, stop)) f(i);
       for (int64_t k = 1; k < threads; ++k)
-        for (int64_t i; (i = take(ranges[(t + k) % threads], false)) >= 0;) f(i);
+        while (ranges[(t + k) % threads].take(false, 1, i, stop)) f(i);
     }
   });
 }
