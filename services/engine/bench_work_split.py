@@ -2,10 +2,11 @@
 
 ferry's attention kernels split their work items between the threads by cost
 (``csrc/work_split.h``, ``parallel_by_cost``), and a thread done with its own range takes the
-other's items from the back. That pays when another process takes a core from one of the
+other's items from the back; the row-wise ops do the same with pieces of rows
+(``parallel_rows``). That pays when another process takes a core from one of the
 worker's threads (the gateway, the scheduler, the load's client on a 2-core machine); on a
 quiet machine it should cost nothing. This measures both, in one process, with the kernel's
-switch (``attention_stealing``, for A/B runs only) alternating round by round:
+switch (``work_stealing``, for A/B runs only) alternating round by round:
 
 - ``decode``: SmolLM2-135M's decode attention at the common load's shape, 64 requests of
   201-264 tokens of context (9 query and 3 KV heads of 64, 16-token blocks scattered over a
@@ -13,6 +14,8 @@ switch (``attention_stealing``, for A/B runs only) alternating round by round:
   step's, so each spans several of the neighbour's periods);
 - ``prefill``: its prompt attention for one 2,048-token prompt step (ten 200-token prompts
   and a 48-token chunk, fresh: no cached prefix), 30 layers;
+- ``rows``: the same prompt step's row-wise ops (``parallel_rows``), per layer two residual
+  adds with their RMSNorm (2,048 x 576) and the rotary embedding of the queries and keys;
 
 each quiet, then beside a neighbour process busy ``--neighbours`` of the time (busy
 milliseconds / period milliseconds, e.g. 3/15 is 20 % of a core), then quiet again. Medians
@@ -76,7 +79,21 @@ def build(kernels: Any, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
         for _ in range(LAYERS):
             kernels.prefill_attention(qp, kp, vp, out, spans, scale, True)
 
-    return {"decode": decode, "prefill": prefill}
+    hidden = 576
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    delta = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    angles = torch.rand(tokens, HEAD_DIM // 2, generator=gen) * 6.28
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype).contiguous() for f in (torch.cos, torch.sin))
+
+    def rows() -> None:
+        for _ in range(LAYERS):
+            kernels.add_rms_norm(x, delta, weight, 1e-5)
+            kernels.rotary(qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], cos, sin)
+            kernels.add_rms_norm(x, delta, weight, 1e-5)
+
+    return {"decode": decode, "prefill": prefill, "rows": rows}
 
 
 def measure(kernels: Any, parts: dict[str, Callable[[], Any]], rounds: int, label: str) -> list[dict[str, Any]]:
@@ -86,11 +103,11 @@ def measure(kernels: Any, parts: dict[str, Callable[[], Any]], rounds: int, labe
         run()  # warm
         for _ in range(rounds):
             for taken in (False, True):
-                kernels.attention_stealing(taken)
+                kernels.work_stealing(taken)
                 t0 = time.perf_counter()
                 run()
                 times[taken].append(time.perf_counter() - t0)
-        kernels.attention_stealing(True)
+        kernels.work_stealing(True)
         once, taken_ms = (statistics.median(times[b]) * 1e3 for b in (False, True))
         rows.append({"load": label, "part": name, "split_once_ms": round(once, 2), "taken_ms": round(taken_ms, 2),
                      "ratio": round(taken_ms / once, 3)})
@@ -101,7 +118,7 @@ def measure(kernels: Any, parts: dict[str, Callable[[], Any]], rounds: int, labe
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="decode,prefill", help="decode, prefill (comma-separated)")
+    p.add_argument("--parts", default="decode,prefill,rows", help="decode, prefill, rows (comma-separated)")
     p.add_argument("--neighbours", default="3/15,1/20", help="busy ms / period ms of each neighbour load")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--threads", type=int, default=2)

@@ -474,7 +474,7 @@ def test_attention_threads_take_each_others_items_and_change_no_bit(dtype: torch
     """The attention kernels split their work items by cost and a thread done with its own
     range takes the other's from the back (work_split.h, parallel_by_cost): with a process busy
     beside the two threads many items change thread, and every output is the bits of the split
-    done once (``attention_stealing(False)``), run after run: decode with one item per request
+    done once (``work_stealing(False)``), run after run: decode with one item per request
     and per KV head, fresh prompts and chunks over a cached prefix."""
     import subprocess
     import sys
@@ -516,14 +516,14 @@ def test_attention_threads_take_each_others_items_and_change_no_bit(dtype: torch
     torch.set_num_threads(2)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        kernel.attention_stealing(False)
+        kernel.work_stealing(False)
         once = run()
-        kernel.attention_stealing(True)
+        kernel.work_stealing(True)
         for _ in range(10):
             for got, want in zip(run(), once, strict=True):
                 assert torch.equal(got, want)
     finally:
-        kernel.attention_stealing(True)
+        kernel.work_stealing(True)
         busy.kill()
         busy.wait()
         torch.set_num_threads(threads)

@@ -414,3 +414,54 @@ def test_kernel_bfloat16_rounding_equals_torch_bit_for_bit() -> None:
     assert torch.equal(got[~nan], want[~nan])
     assert torch.equal(got[nan], torch.full_like(got[nan], 0x7FC0))  # c10's one NaN, any sign or payload
     assert int(nan.sum()) > 2 * 255 * 6 and int((x.abs() < 1.1754944e-38).sum()) > 255 * 6  # NaNs and subnormals were there
+
+
+@DTYPES
+def test_row_ops_in_pieces_taken_between_threads_change_no_bit(dtype: torch.dtype) -> None:
+    """A prompt step's row-wise ops run in pieces that a thread done with its own takes from the
+    other (work_split.h, parallel_rows): with a process busy beside the two threads, norms,
+    the residual add and rotary give the bits of the split done once (``work_stealing(False)``),
+    run after run, at 2,048 rows (pieces) and 64 (one piece per thread)."""
+    import subprocess
+    import sys
+
+    k = _kernels()
+    gen = _gen(31)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    cases = []
+    for rows in (2048, 64):
+        x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+        delta = torch.randn(rows, 576, generator=gen).to(dtype)
+        qkv = torch.randn(rows, 15, 64, generator=gen).to(dtype)  # q, k, v heads of one product: strided views
+        angles = torch.rand(rows, 32, generator=gen) * 6.28
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype).contiguous() for f in (torch.cos, torch.sin))
+        cases.append((x, delta, qkv[:, :9], qkv[:, 9:12], cos, sin))
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for x, delta, q, kk, cos, sin in cases:
+            out += [k.rms_norm(x, weight, 1e-5), *k.add_rms_norm(x, delta, weight, 1e-5), *k.rotary(q, kk, cos, sin)]
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        k.work_stealing(False)
+        once = run()
+        k.work_stealing(True)
+        for _ in range(10):
+            for got, want in zip(run(), once, strict=True):
+                assert torch.equal(got, want)
+    finally:
+        k.work_stealing(True)
+        busy.kill()
+        busy.wait()
+        torch.set_num_threads(threads)
+    # and the values are the ops': a norm row alone, the sum, a rotation that keeps each pair's length
+    x, delta, q, _, _, _ = cases[0]
+    assert torch.equal(once[0][1000], k.rms_norm(x[1000:1001].contiguous(), weight, 1e-5)[0])
+    assert torch.equal(once[1], x + delta)
+    q32, r32 = q.float(), once[3].float()
+    torch.testing.assert_close(r32.pow(2).view(2048, 9, 2, 32).sum(2), q32.pow(2).view(2048, 9, 2, 32).sum(2),
+                               rtol=2e-2, atol=2e-2)

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include "work_split.h"
 
 using bf16 = c10::BFloat16;
 
@@ -433,7 +434,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     using T = decltype(tag);
     const T *xp = x.data_ptr<T>(), *wp = weight.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    parallel_rows(rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       norm_rows<T>(xp, nullptr, wp, nullptr, op, n, static_cast<float>(eps), r0, r1);
     });
   });
@@ -451,7 +452,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
     using T = decltype(tag);
     const T *xp = x.data_ptr<T>(), *dp = delta.data_ptr<T>(), *wp = weight.data_ptr<T>();
     T *sp = sum.data_ptr<T>(), *op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    parallel_rows(rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       norm_rows<T>(xp, dp, wp, sp, op, n, static_cast<float>(eps), r0, r1);
     });
   });
@@ -471,7 +472,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     using T = decltype(tag);
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t r0, int64_t r1) {
+    parallel_rows(rows, grain_rows(2 * d), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) silu_row<T>(xp + r * 2 * d, xp + r * 2 * d + d, op + r * d, d);
     });
   });
@@ -488,7 +489,7 @@ static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& cos, 
   const int64_t st = x.stride(0), sh = x.stride(1);
   const T *xp = x.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t t0, int64_t t1) {
+  parallel_rows(tokens, grain_rows(heads * dim), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       rope_token<T>(xp + t * st, sh, cp + t * dim, sp + t * dim, op + t * heads * dim, heads, dim);
     }
@@ -521,7 +522,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     using T = decltype(tag);
     const T* xp = x.data_ptr<T>();
     int64_t* op = out.data_ptr<int64_t>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    parallel_rows(rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row<T>(xp + r * n, n);
     });
   });
@@ -725,7 +726,7 @@ static torch::Tensor draw_rows(const torch::Tensor& logits, const torch::Tensor&
   dispatch_float(logits, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = logits.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    parallel_rows(rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       std::vector<float> e, bsum, kept;
       for (int64_t r = r0; r < r1; ++r) op[r] = draw(xp + r * n, n, tp[r], kp[r], pp[r], mp[r], r, e, bsum, kept);
     });

@@ -1034,6 +1034,6 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 }
 
 
-// parallel_by_cost's work taking between threads (work_split.h) on (the default) or off, for
-// A/B measurements of the attention kernels.
-void attention_stealing(bool on) { cost_stealing = on; }
+// Work taken between threads by the attention kernels (parallel_by_cost) and the row-wise ops
+// (parallel_rows, work_split.h) on (the default) or off, for A/B measurements only.
+void work_stealing(bool on) { stealing_on = on; }

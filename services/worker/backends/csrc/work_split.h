@@ -29,8 +29,9 @@ struct alignas(64) StealRange {
   }
 };
 
-// Whether parallel_by_cost's threads take each other's items (attention_stealing sets it).
-inline bool cost_stealing = true;
+// Whether parallel_by_cost and parallel_rows take work between threads (work_stealing sets it;
+// the linear layers' parallel_stealing always does).
+inline bool stealing_on = true;
 
 // Work items [0, n) in contiguous ranges of about equal cost, one range per thread, run by
 // f(begin, end) on pieces of it in order. at::parallel_for splits by count, so a decode step
@@ -61,7 +62,7 @@ static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
     while (t < threads && acc + c / 2 >= total * t / threads) bounds[t++] = i;
     acc += c;
   }
-  if (!cost_stealing || n >= (int64_t{1} << 32)) {
+  if (!stealing_on || n >= (int64_t{1} << 32)) {
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         if (bounds[t] < bounds[t + 1]) f(bounds[t], bounds[t + 1]);
@@ -105,4 +106,22 @@ static void parallel_stealing(int64_t n, F&& f) {
         while (ranges[(t + k) % threads].take(false, 1, i, stop)) f(i);
     }
   });
+}
+
+// Rows [0, n), each piece run by f(begin, end), for the row-wise ops (fused_ops.cpp: norms,
+// rotary, argmax and sampling rows). A few rows (a decode step's 64 of 576 elements) go as
+// at::parallel_for splits them, one piece per thread, at least `grain` rows each; many rows
+// (a prompt step's 2,048) go in 2-8 pieces per thread through parallel_stealing, so a thread
+// that lost its core does not leave the other waiting at the end of the op. Rows are
+// computed independently: the pieces change no bit.
+template <typename F>
+static void parallel_rows(int64_t n, int64_t grain, F&& f) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = std::min<int64_t>(n / std::max<int64_t>(grain, 1), 8 * threads);
+  if (threads <= 1 || wanted < 2 * threads || at::in_parallel_region() || !stealing_on) {
+    at::parallel_for(0, n, grain, f);
+    return;
+  }
+  const int64_t pieces = wanted / threads * threads;
+  parallel_stealing(pieces, [&](int64_t p) { f(n * p / pieces, n * (p + 1) / pieces); });
 }
