@@ -18,6 +18,7 @@ import torch
 
 from services.worker.backends import PagedBatch, available_backends, select_backend
 from services.worker.backends.build import build_paged_batch
+from tests.busy import two_threads_beside_a_busy_process
 
 BLOCK = 4
 NUM_BLOCKS = 40
@@ -476,9 +477,6 @@ def test_attention_threads_take_each_others_items_and_change_no_bit(dtype: torch
     beside the two threads many items change thread, and every output is the bits of the split
     done once (``work_stealing(False)``), run after run: decode with one item per request
     and per KV head, fresh prompts and chunks over a cached prefix."""
-    import subprocess
-    import sys
-
     kernel = _cpu_kernels(prompts=True)
     num_heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(21)
@@ -512,20 +510,15 @@ def test_attention_threads_take_each_others_items_and_change_no_bit(dtype: torch
         kernel.prefill_attention_paged(qc, cached, k_cache, v_cache, paged_spans, table, 0.125, True)
         return few, many, fresh, cached
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        kernel.work_stealing(False)
-        once = run()
-        kernel.work_stealing(True)
-        for _ in range(10):
-            for got, want in zip(run(), once, strict=True):
-                assert torch.equal(got, want)
-    finally:
-        kernel.work_stealing(True)
-        busy.kill()
-        busy.wait()
-        torch.set_num_threads(threads)
+    with two_threads_beside_a_busy_process():
+        try:
+            kernel.work_stealing(False)
+            once = run()
+            kernel.work_stealing(True)
+            for _ in range(10):
+                for got, want in zip(run(), once, strict=True):
+                    assert torch.equal(got, want)
+        finally:
+            kernel.work_stealing(True)
     assert all(torch.isfinite(t.float()).all() for t in once)
     assert once[1].abs().sum() > 0 and once[2].abs().sum() > 0

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from services.worker import fused_ops
 from services.worker.fused_ops import FusedRMSNorm, FusedSiluMLP, fuse_elementwise, fused_ops_enabled
 from services.worker.packed_linear import FusedHead, fuse_projections, pack_linears
+from tests.busy import two_threads_beside_a_busy_process
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -422,9 +423,6 @@ def test_row_ops_in_pieces_taken_between_threads_change_no_bit(dtype: torch.dtyp
     other (work_split.h, parallel_rows): with a process busy beside the two threads, norms,
     the residual add and rotary give the bits of the split done once (``work_stealing(False)``),
     run after run, at 2,048 rows (pieces) and 64 (one piece per thread)."""
-    import subprocess
-    import sys
-
     k = _kernels()
     gen = _gen(31)
     weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
@@ -443,21 +441,16 @@ def test_row_ops_in_pieces_taken_between_threads_change_no_bit(dtype: torch.dtyp
             out += [k.rms_norm(x, weight, 1e-5), *k.add_rms_norm(x, delta, weight, 1e-5), *k.rotary(q, kk, cos, sin)]
         return out
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        k.work_stealing(False)
-        once = run()
-        k.work_stealing(True)
-        for _ in range(10):
-            for got, want in zip(run(), once, strict=True):
-                assert torch.equal(got, want)
-    finally:
-        k.work_stealing(True)
-        busy.kill()
-        busy.wait()
-        torch.set_num_threads(threads)
+    with two_threads_beside_a_busy_process():
+        try:
+            k.work_stealing(False)
+            once = run()
+            k.work_stealing(True)
+            for _ in range(10):
+                for got, want in zip(run(), once, strict=True):
+                    assert torch.equal(got, want)
+        finally:
+            k.work_stealing(True)
     # and the values are the ops': a norm row alone, the sum, a rotation that keeps each pair's length
     x, delta, q, _, _, _ = cases[0]
     assert torch.equal(once[0][1000], k.rms_norm(x[1000:1001].contiguous(), weight, 1e-5)[0])

@@ -25,6 +25,7 @@ from services.worker.packed_linear import (
     pack_linears,
     packing_enabled,
 )
+from tests.busy import two_threads_beside_a_busy_process
 from tests.conftest import cached_tiny_model
 
 CPU = torch.device("cpu")
@@ -179,19 +180,13 @@ def test_tiled_kernel_threads_take_each_others_groups_and_miss_none() -> None:
     """With two threads and a process busy beside them, a thread done with its own range of
     groups takes the other's last ones (work_split.h): every output is still written, and
     with the same bits, run after run."""
-    import subprocess
-    import sys
-
     k = _tiled_kernels()
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(1536 * 2, 576, generator=gen).to(torch.bfloat16)
     tiles = k.tiled_pack(w)
     x = torch.randn(37, 576, generator=gen).to(torch.bfloat16)
     want = F.linear(x.float(), w.float())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with two_threads_beside_a_busy_process():
         first = k.tiled_linear(x, tiles, torch.empty(0))
         gated_first = k.tiled_silu_linear(x, tiles, torch.empty(0))
         # every output written: none is far from the float32 product (sums of ~24 in size; one
@@ -200,10 +195,6 @@ def test_tiled_kernel_threads_take_each_others_groups_and_miss_none() -> None:
         for _ in range(30):
             assert torch.equal(k.tiled_linear(x, tiles, torch.empty(0)), first)
             assert torch.equal(k.tiled_silu_linear(x, tiles, torch.empty(0)), gated_first)
-    finally:
-        busy.kill()
-        busy.wait()
-        torch.set_num_threads(threads)
 
 
 def test_tiled_kernel_prefetch_changes_no_bit() -> None:
