@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -27,3 +28,21 @@ def two_threads_beside_a_busy_process() -> Iterator[None]:
         busy.kill()
         busy.wait()
         torch.set_num_threads(threads)
+
+
+def same_bits_with_work_taken(kernels: Any, run: Callable[[], Sequence[torch.Tensor]],
+                              rounds: int = 10) -> Sequence[torch.Tensor]:
+    """``run()``'s outputs with the kernels' work split once (``work_stealing(False)``), after
+    checking that ``rounds`` runs with work taken between the threads, beside a busy process,
+    give the same bits."""
+    with two_threads_beside_a_busy_process():
+        try:
+            kernels.work_stealing(False)
+            once = run()
+            kernels.work_stealing(True)
+            for _ in range(rounds):
+                for got, want in zip(run(), once, strict=True):
+                    assert torch.equal(got, want)
+        finally:
+            kernels.work_stealing(True)
+    return once

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from services.worker import fused_ops
 from services.worker.fused_ops import FusedRMSNorm, FusedSiluMLP, fuse_elementwise, fused_ops_enabled
 from services.worker.packed_linear import FusedHead, fuse_projections, pack_linears
-from tests.busy import two_threads_beside_a_busy_process
+from tests.busy import same_bits_with_work_taken
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -441,16 +441,7 @@ def test_row_ops_in_pieces_taken_between_threads_change_no_bit(dtype: torch.dtyp
             out += [k.rms_norm(x, weight, 1e-5), *k.add_rms_norm(x, delta, weight, 1e-5), *k.rotary(q, kk, cos, sin)]
         return out
 
-    with two_threads_beside_a_busy_process():
-        try:
-            k.work_stealing(False)
-            once = run()
-            k.work_stealing(True)
-            for _ in range(10):
-                for got, want in zip(run(), once, strict=True):
-                    assert torch.equal(got, want)
-        finally:
-            k.work_stealing(True)
+    once = same_bits_with_work_taken(k, run)
     # and the values are the ops': a norm row alone, the sum, a rotation that keeps each pair's length
     x, delta, q, _, _, _ = cases[0]
     assert torch.equal(once[0][1000], k.rms_norm(x[1000:1001].contiguous(), weight, 1e-5)[0])
