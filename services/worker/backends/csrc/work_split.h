@@ -33,6 +33,18 @@ struct alignas(64) StealRange {
 // the linear layers' parallel_stealing always does).
 inline bool stealing_on = true;
 
+// One thread's share of a stealing split: its own range `t` from the front, `own` items at a
+// time (0: half of what is left), then the other ranges' items from their backs, one at a time,
+// each piece run by f(lo, hi).
+template <typename F>
+static inline void run_and_take(std::vector<StealRange>& ranges, int64_t t, int64_t own, F&& f) {
+  const int64_t threads = static_cast<int64_t>(ranges.size());
+  int64_t lo, hi;
+  while (ranges[t].take(true, own, lo, hi)) f(lo, hi);
+  for (int64_t k = 1; k < threads; ++k)
+    while (ranges[(t + k) % threads].take(false, 1, lo, hi)) f(lo, hi);
+}
+
 // Work items [0, n) in contiguous ranges of about equal cost, one range per thread, run by
 // f(begin, end) on pieces of it in order. at::parallel_for splits by count, so a decode step
 // whose requests have very different context lengths, or a prompt step with a long cached
@@ -72,12 +84,7 @@ static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
   std::vector<StealRange> ranges(threads);
   for (int64_t t = 0; t < threads; ++t) ranges[t].set(bounds[t], bounds[t + 1]);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      int64_t lo, hi;
-      while (ranges[t].take(true, 0, lo, hi)) f(lo, hi);
-      for (int64_t k = 1; k < threads; ++k)
-        while (ranges[(t + k) % threads].take(false, 1, lo, hi)) f(lo, hi);
-    }
+    for (int64_t t = begin; t < end; ++t) run_and_take(ranges, t, 0, f);
   });
 }
 
@@ -99,12 +106,7 @@ static void parallel_stealing(int64_t n, F&& f) {
   std::vector<StealRange> ranges(threads);
   for (int64_t t = 0; t < threads; ++t) ranges[t].set(n * t / threads, n * (t + 1) / threads);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      int64_t i, stop;
-      while (ranges[t].take(true, 1, i, stop)) f(i);
-      for (int64_t k = 1; k < threads; ++k)
-        while (ranges[(t + k) % threads].take(false, 1, i, stop)) f(i);
-    }
+    for (int64_t t = begin; t < end; ++t) run_and_take(ranges, t, 1, [&](int64_t i, int64_t) { f(i); });
   });
 }
 
