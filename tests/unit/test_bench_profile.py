@@ -4,12 +4,16 @@ parts are positive where they must be, and they add up to the body."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
 from services.engine.bench_profile import profile_shares
 from services.engine.offline import LLM, GenerationParams
 from tests.conftest import cached_tiny_model
+from tests.tiny_models import build_tiny_model
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -29,6 +33,45 @@ def test_profile_finds_the_body_and_its_parts(lean: bool) -> None:
         assert abs(sum(out["shares_of_body"].values()) - 1.0) < 0.01
     else:  # transformers' forward is not what ran: nothing is found, nothing is made up
         assert body == 0.0 and all(v == 0.0 for v in out["shares_of_body"].values())
+
+
+def test_the_gated_products_count_as_linear(tmp_path: Path) -> None:
+    """bfloat16 on the tiled kernel: the gate/up product with its activation fused in is one
+    compiled op called from the MLP, not a leaf layer; it is linear work, not "other". With
+    a wide MLP it takes more time than every leaf product together, so the linear part must
+    exceed it."""
+    from services.worker.backends.cpu_paged import load_extension
+    from services.worker.fused_ops import FusedSiluMLP
+
+    if not load_extension().tiled_linear_available():
+        pytest.skip("no AVX512-BF16 tiled linear on this CPU")
+    torch.set_num_threads(1)
+    folder = build_tiny_model(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=4096,
+                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    llm = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory=1 << 24, num_threads=1)
+    runner = llm.runner
+    mlps = [m for m in runner.model.modules() if isinstance(m, FusedSiluMLP)]
+    assert mlps and all(m._gated is not None for m in mlps)
+    gated_s = [0.0]
+
+    def timed(kernel):  # type: ignore[no-untyped-def]
+        def call(*args):  # type: ignore[no-untyped-def]
+            t0 = time.process_time()
+            try:
+                return kernel(*args)
+            finally:
+                gated_s[0] += time.process_time() - t0
+        return call
+
+    for m in mlps:
+        m._gated = timed(m._gated)
+    params = GenerationParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(300 + 250 * i, 500 + 250 * i)) for i in range(8)]
+    out = profile_shares(lambda: llm.generate(prompts, params), runner.model, runner.sampler, runner.lean,
+                         runner.attn_backend)
+    parts = out["parts_s"]
+    assert gated_s[0] > 0 and parts["linear"] > gated_s[0]
+    assert abs(sum(out["shares_of_body"].values()) - 1.0) < 0.01
 
 
 def test_attention_share_times_the_backend_inside_the_forward() -> None:
