@@ -18,6 +18,12 @@ This module runs the same step without it, in one of two ways:
   (bfloat16 on an AVX-512 CPU), one q/k/v product split three ways, the rotary kernel
   called directly, and each residual add fused with the norm after it.
 
+- a step of decodes only, in the fused mode with every projection on the tiled bfloat16
+  kernel, runs every layer in one C++ call (``decode_layers``, csrc/decode_layers.cpp):
+  the same kernels in the same order, without ~12 Python-to-C++ calls and their glue per
+  layer (14-16 % of a decode step's body at 1-8 requests, 5 % at 64; docs/benchmarks.md,
+  "A decode step's layers in one call"). ``FERRY_CPU_DECODE_LAYERS=0`` keeps the loop.
+
 Either way the hidden states and the keys and values written are bit-identical to the
 model's own forward in that state (tests/unit/test_lean_forward.py). Only for the
 architectures whose decoder layer is the plain pre-norm residual block (Llama,
@@ -49,6 +55,11 @@ def lean_forward_enabled() -> bool:
     return os.environ.get("FERRY_CPU_LEAN_FORWARD", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def decode_layers_enabled() -> bool:
+    """``FERRY_CPU_DECODE_LAYERS=0``: decode steps through the Python layer loop too (A/B runs)."""
+    return os.environ.get("FERRY_CPU_DECODE_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class LeanDecoder:
     """``body(input_ids, position_ids, ferry_meta=...)``'s last hidden state, without the framework."""
 
@@ -68,6 +79,11 @@ class LeanDecoder:
             self.layers.append((i, layer.input_layernorm, projections, attn.head_dim, float(attn.scaling),
                                 attn.o_proj, layer.post_attention_layernorm, layer.mlp,
                                 sys.modules[type(attn).__module__]))
+        # A decode step's layers in one C++ call (csrc/decode_layers.cpp) where every
+        # projection is on the tiled bfloat16 kernel: (weights, epsilons, scales, rows) or None.
+        self.decode_args: tuple[list[torch.Tensor], list[float], list[float], int] | None = None
+        if kernels is not None and decode_layers_enabled() and hasattr(kernels, "decode_layers"):
+            self.decode_args = _decode_layer_args(body)
 
     @classmethod
     def build(cls, body: Any, kernels: Any | None) -> LeanDecoder | None:
@@ -101,6 +117,16 @@ class LeanDecoder:
             return self._plain(x, cos, sin, step)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         tokens = x.shape[1]
+        backend = _decodes_only(step, tokens) if self.decode_args is not None and tokens <= self.decode_args[3] else None
+        if self.decode_args is not None and backend is not None:
+            weights, eps, scales, _ = self.decode_args
+            meta = step.metadata
+            _, _, (_, sizes), head_dim, *_ = self.layers[0]
+            out = self.kernels.decode_layers(
+                x[0], cos, sin, weights, [c for pair in step.kv_caches for c in pair], eps, scales, self.norm.weight,
+                meta.chunks.slot_mapping, meta.block_table, meta.seq_lens, sizes[0] // head_dim, sizes[1] // head_dim,
+                head_dim, backend.bf16_dot)
+            return out.unsqueeze(0)
         rotary, add_norm = self.kernels.rotary, self.kernels.add_rms_norm
         # Each residual add is fused with the norm that follows it (x + delta, then its
         # RMSNorm, in one pass): the same bfloat16 sum and the same norm kernel as separately.
@@ -146,3 +172,47 @@ def _all_fused(body: Any) -> bool:
                 and isinstance(layer.post_attention_layernorm, FusedRMSNorm) and isinstance(layer.mlp, FusedSiluMLP)):
             return False
     return True
+
+
+def _decode_layer_args(body: Any) -> tuple[list[torch.Tensor], list[float], list[float], int] | None:
+    """Every layer's tensors for ``decode_layers`` in its order (input norm, post-attention
+    norm, q/k/v tiles and bias, o_proj's, gate/up's, down's), the norms' epsilons (the final
+    norm's last), the attention scales and the most rows every projection's tiled kernel takes;
+    None unless every projection and norm is on ferry's kernels in bfloat16."""
+    from .packed_linear import PackedLinear
+
+    def tiled(m: Any) -> bool:
+        return isinstance(m, PackedLinear) and m.tiles is not None and m._tiled is not None
+
+    if not isinstance(body.norm, FusedRMSNorm) or body.norm.weight.dtype != torch.bfloat16:
+        return None
+    weights: list[torch.Tensor] = []
+    eps: list[float] = []
+    scales: list[float] = []
+    rows = 1 << 62
+    for layer in body.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms: tuple[Any, Any] = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not (isinstance(attn.q_proj, FusedHead) and isinstance(mlp, FusedSiluMLP) and mlp._gated is not None
+                and all(isinstance(n, FusedRMSNorm) and n.weight.dtype == torch.bfloat16 for n in norms)):
+            return None
+        products: list[Any] = [attn.q_proj.fused, attn.o_proj, mlp.gate_up, mlp.down_proj]  # as the loop calls them
+        if not all(tiled(m) for m in products):
+            return None
+        rows = min([rows] + [m.tiled_rows for m in products])
+        weights += [norms[0].weight, norms[1].weight] + [t for m in products for t in (m.tiles, m._bias32)]
+        eps += [norms[0].variance_epsilon, norms[1].variance_epsilon]
+        scales.append(float(attn.scaling))
+    eps.append(body.norm.variance_epsilon)
+    return weights, eps, scales, rows
+
+
+def _decodes_only(step: StepAttention, tokens: int) -> Any | None:
+    """The CPU paged backend of a step whose every token is a decode (no prompt chunk), else None."""
+    from .backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
+
+    meta, backend = step.metadata, step.backend
+    if (isinstance(backend, CpuPagedBackend) and isinstance(meta, CpuPagedMetadata) and meta.num_decodes == tokens
+            and meta.fresh_spans is None and meta.prefix_spans is None and not meta.chunks.prefills):
+        return backend
+    return None

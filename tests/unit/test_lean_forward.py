@@ -53,9 +53,10 @@ def _fuse(body: torch.nn.Module, dtype: torch.dtype = BF16) -> None:
 
 def _steps() -> list[tuple[list[int], list[int], list[list[int]]]]:
     """(query lens, context lens, block ids) per step: two prompts (7 and 5 tokens), then their
-    decodes and the first 6-token chunk of a third prompt."""
-    tables = [[0, 1], [2, 3], [4, 5]]
-    return [([7, 5], [7, 5], tables[:2]), ([1, 1, 6], [8, 6, 6], tables)]
+    decodes and the first 6-token chunk of a third prompt, then three decodes alone (a step the
+    fused mode runs in one call, decode_layers)."""
+    tables = [[0, 1, 6], [2, 3, 7], [4, 5, 8]]
+    return [([7, 5], [7, 5], tables[:2]), ([1, 1, 6], [8, 6, 6], tables), ([1, 1, 1], [9, 7, 7], tables)]
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
@@ -92,7 +93,7 @@ def _check_steps(body: torch.nn.Module, lean: LeanDecoder, config, backend_name:
         backend = select_backend(backend_name, CPU)
     except Exception as exc:  # noqa: BLE001 - cpu_paged without a compiler
         pytest.skip(f"{backend_name} unavailable: {exc}")
-    caches = {name: KVCache.allocate(config.to_dict(), 8, BLOCK, dtype, "cpu") for name in ("model", "lean")}
+    caches = {name: KVCache.allocate(config.to_dict(), 9, BLOCK, dtype, "cpu") for name in ("model", "lean")}
     gen = torch.Generator().manual_seed(7)
     for query_lens, seq_lens, tables in _steps():
         batch, positions = build_paged_batch(query_lens, seq_lens, tables, BLOCK, 256, CPU)
@@ -109,6 +110,70 @@ def _check_steps(body: torch.nn.Module, lean: LeanDecoder, config, backend_name:
     for (k1, v1), (k2, v2) in zip(caches["model"].caches, caches["lean"].caches, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
         assert k1.abs().sum() > 0  # the steps did write keys
+
+
+class _Counting:
+    """The kernels' module with its decode_layers calls counted."""
+
+    def __init__(self, kernels: object) -> None:
+        self._kernels, self.calls = kernels, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._kernels, name)
+
+    def decode_layers(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        return self._kernels.decode_layers(*args)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kv_dtype", [BF16, torch.float8_e4m3fn])
+def test_decode_steps_in_one_call_equal_the_layer_loop(kind: str, kv_dtype: torch.dtype) -> None:
+    """bfloat16 on the tiled kernels: a step of decodes only runs every layer in one C++ call,
+    with the same hidden states and the same keys and values written as the Python loop, for a
+    bfloat16 and a float8 cache, grouped-query heads, q/k/v biases (Qwen2), contexts across
+    block boundaries and 1-5 requests; steps with a prompt chunk keep the loop."""
+    ops = fused_ops.kernels()
+    if ops is None or not ops.tiled_linear_available() or not torch.backends.mkldnn.is_available():
+        pytest.skip("no tiled bfloat16 kernel on this CPU: no decode_layers path")
+    model, config = _model(kind, BF16, num_hidden_layers=3)
+    body = model.get_decoder()
+    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: give them values that show
+        for p in body.parameters():
+            if p.dim() == 1 and p.abs().sum() == 0:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(5))
+    _fuse(body, BF16)
+    one_call = LeanDecoder.build(body, _Counting(ops))
+    loop = LeanDecoder.build(body, ops)
+    assert one_call is not None and loop is not None and one_call.decode_args is not None
+    loop.decode_args = None
+    backend = select_backend("cpu_paged", CPU)
+    caches = {name: KVCache.allocate(config.to_dict(), 40, BLOCK, kv_dtype, "cpu") for name in ("loop", "one")}
+    gen = torch.Generator().manual_seed(3)
+    tables = [list(range(8 * r, 8 * r + 8)) for r in range(5)]
+    prompts = [9, 4, 13, 2, 7]
+    steps = [(prompts, prompts)]  # every prompt at once (the loop), then decodes, one request finishing each step
+    for i in range(1, 5):
+        live = prompts[: 6 - i]
+        steps.append(([1] * len(live), [p + i for p in live]))
+    steps.append(([1, 1, 3], [prompts[0] + 5, prompts[1] + 5, 3]))  # a decode beside a prompt: the loop
+    for query_lens, seq_lens in steps:
+        batch, positions = build_paged_batch(query_lens, seq_lens, tables[: len(query_lens)], BLOCK, 256, CPU)
+        ids = torch.randint(0, 300, (1, sum(query_lens)), generator=gen)
+        pos = torch.from_numpy(positions).unsqueeze(0)
+        meta = backend.prepare(batch)
+        before = one_call.kernels.calls
+        with torch.inference_mode():
+            want = loop(ids, pos, StepAttention(backend, meta, caches["loop"].caches, 256))
+            got = one_call(ids, pos, StepAttention(backend, meta, caches["one"].caches, 256))
+        decodes_only = all(q == 1 for q in query_lens)
+        assert one_call.kernels.calls == before + decodes_only
+        assert got.shape == want.shape and got.dtype == BF16
+        assert torch.equal(got, want)
+    assert one_call.kernels.calls == 4
+    for (k1, v1), (k2, v2) in zip(caches["loop"].caches, caches["one"].caches, strict=True):
+        assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8)) and torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
+        assert k1.float().abs().sum() > 0
 
 
 def test_lean_forward_modes_and_what_it_declines(monkeypatch: pytest.MonkeyPatch) -> None:

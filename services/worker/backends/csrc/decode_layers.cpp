@@ -1,0 +1,69 @@
+// A decode step's whole decoder body in one call (lean_forward.py's fused path, every layer on
+// the tiled bfloat16 kernels): the same kernels in the same order on the same tensors as the
+// Python loop, so the same bits, without ~12 Python-to-C++ calls and their glue per layer.
+//
+// At batch 1 a SmolLM2-135M decode step spent ~2 ms of its ~8 in the small per-layer calls
+// (split + rotary 16 us a layer, attention's Python 27 us, each norm ~8 us) and the
+// framework between them, against ~4.6 ms reading the weights (docs/benchmarks.md, "A decode
+// step's layers in one call").
+//
+// x [T, hidden] (the embedded tokens), cos/sin [T, head_dim]; per layer, in `weights`, 10
+// tensors: input norm, post-attention norm, q/k/v tiles and bias, o_proj tiles and bias,
+// gate/up tiles and bias, down tiles and bias (a bias an empty tensor when there is none);
+// `caches`: each layer's key and value caches; eps: each layer's two norms' then the final
+// norm's; slots [T] int64, block_table [T, max_blocks] int32, seq_lens [T] int32 as
+// write_kv and paged_decode take them. Returns the final norm's output, [T, hidden].
+
+#include <torch/extension.h>
+#include <vector>
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                           torch::Tensor seq_lens, double scale, bool bf16_dot);
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
+torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
+
+constexpr int64_t DECODE_LAYER_TENSORS = 10;
+
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
+                            std::vector<torch::Tensor> caches, std::vector<double> eps, std::vector<double> scales,
+                            torch::Tensor final_norm, torch::Tensor slots, torch::Tensor block_table,
+                            torch::Tensor seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, bool bf16_dot) {
+  const int64_t layers = static_cast<int64_t>(scales.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == DECODE_LAYER_TENSORS * layers &&
+              static_cast<int64_t>(caches.size()) == 2 * layers && static_cast<int64_t>(eps.size()) == 2 * layers + 1,
+              "per layer: 10 weights, 2 caches, 2 norm epsilons, a scale; and the final norm's epsilon");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [tokens, hidden], contiguous");
+  const int64_t T = x.size(0), qw = heads * head_dim, kw = kv_heads * head_dim;
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == T && block_table.dim() == 2 && block_table.size(0) == T,
+              "every token a decode: one block-table row and one length per token");
+  const bool fp8 = caches[0].scalar_type() == at::kFloat8_e4m3fn;
+  torch::Tensor h = rms_norm(x, weights[0], eps[0]);
+  torch::Tensor delta;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + DECODE_LAYER_TENSORS * l;
+    const torch::Tensor &k_cache = caches[2 * l], &v_cache = caches[2 * l + 1];
+    if (l > 0) {
+      auto sum_norm = add_rms_norm(x, delta, w[0], eps[2 * l]);
+      x = sum_norm[0], h = sum_norm[1];
+    }
+    const torch::Tensor qkv = tiled_linear(h, w[2], w[3]);  // [T, qw + 2 kw]
+    TORCH_CHECK(qkv.size(1) == qw + 2 * kw, "q/k/v widths");
+    auto qk = rotary(qkv.narrow(1, 0, qw).view({T, heads, head_dim}), qkv.narrow(1, qw, kw).view({T, kv_heads, head_dim}),
+                     cos, sin);
+    const torch::Tensor v = qkv.narrow(1, qw + kw, kw).view({T, kv_heads, head_dim});
+    // as the backend's forward: keys and values in the cache's dtype (a float8 cache converts them itself)
+    write_kv(fp8 ? qk[1] : qk[1].to(k_cache.scalar_type()), fp8 ? v : v.to(v_cache.scalar_type()), k_cache, v_cache,
+             slots);
+    const torch::Tensor q = fp8 ? qk[0] : qk[0].to(k_cache.scalar_type()).contiguous();
+    const torch::Tensor o = paged_decode(q, k_cache, v_cache, block_table, seq_lens, scales[l], bf16_dot)
+                                .to(x.scalar_type());
+    auto sum_norm = add_rms_norm(x, tiled_linear(o.reshape({T, qw}), w[4], w[5]), w[1], eps[2 * l + 1]);
+    x = sum_norm[0], h = sum_norm[1];
+    delta = tiled_linear(tiled_silu_linear(h, w[6], w[7]), w[8], w[9]);
+  }
+  return add_rms_norm(x, delta, final_norm, eps[2 * layers])[1];
+}
