@@ -176,6 +176,31 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(kind: str, kv_dtype: torc
         assert k1.float().abs().sum() > 0
 
 
+def test_decode_layers_switch_and_what_it_declines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRY_CPU_DECODE_LAYERS=0 keeps the loop; so does float32 (no tiled kernel there) and a
+    layer left on oneDNN."""
+    ops = fused_ops.kernels()
+    if ops is None or not ops.tiled_linear_available() or not torch.backends.mkldnn.is_available():
+        pytest.skip("no tiled bfloat16 kernel on this CPU: no decode_layers path")
+    model, _ = _model("llama", BF16)
+    body = model.get_decoder()
+    _fuse(body, BF16)
+    built = LeanDecoder.build(body, ops)
+    assert built is not None and built.decode_args is not None and len(built.decode_args[0]) == 10 * 2
+    monkeypatch.setenv("FERRY_CPU_DECODE_LAYERS", "0")
+    built = LeanDecoder.build(body, ops)
+    assert built is not None and built.mode == "fused" and built.decode_args is None
+    monkeypatch.delenv("FERRY_CPU_DECODE_LAYERS")
+    body.layers[1].self_attn.o_proj.remove_tiled()
+    built = LeanDecoder.build(body, ops)
+    assert built is not None and built.mode == "fused" and built.decode_args is None
+    f32, _ = _model("llama", torch.float32)
+    f32_body = f32.get_decoder()
+    _fuse(f32_body, torch.float32)
+    built = LeanDecoder.build(f32_body, ops)
+    assert built is not None and built.mode == "fused" and built.decode_args is None
+
+
 def test_lean_forward_modes_and_what_it_declines(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = _model("llama", torch.float32)  # (float32: joined and packed on every CPU with oneDNN)
     body = model.get_decoder()
