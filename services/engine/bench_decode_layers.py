@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as ferry serve gives its worker
-
 
 def _decode_step(llm: Any, n: int) -> tuple[Any, Any, Any]:
     """The lean forward's arguments of a step of n decodes in a real generation of n requests."""
@@ -122,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="rounds of both servers (served)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as ferry serve gives its worker (read when OpenMP starts)
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     result: dict[str, Any] = {
         "command": " ".join(["python -m services.engine.bench_decode_layers", *(argv if argv is not None else sys.argv[1:])]),
