@@ -3,7 +3,7 @@
 // Python loop, so the same bits, without ~12 Python-to-C++ calls and their glue per layer.
 //
 // At batch 1 a SmolLM2-135M decode step spent ~2 ms of its ~8 in the small per-layer calls
-// (split + rotary 16 us a layer, attention's Python 27 us, each norm ~8 us) and the
+// (split + rotary 16 us a layer, the backend's attention call 27 us, each norm ~8 us) and the
 // framework between them, against ~4.6 ms reading the weights (docs/benchmarks.md, "A decode
 // step's layers in one call").
 //
