@@ -37,11 +37,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .attention import StepAttention
+from .backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from .fused_ops import FusedRMSNorm, FusedSiluMLP
 from .packed_linear import FusedHead
 
@@ -58,6 +60,22 @@ def lean_forward_enabled() -> bool:
 def decode_layers_enabled() -> bool:
     """``FERRY_CPU_DECODE_LAYERS=0``: decode steps through the Python layer loop too (A/B runs)."""
     return os.environ.get("FERRY_CPU_DECODE_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class DecodeLayerArgs:
+    """What ``decode_layers`` takes that is fixed for the model: every layer's tensors in its
+    order (input norm, post-attention norm, q/k/v tiles and bias, o_proj's, gate/up's,
+    down's), the norms' epsilons (the final norm's last), the attention scales, the head
+    shapes, and the most rows every projection's tiled kernel takes."""
+
+    weights: list[torch.Tensor]
+    eps: list[float]
+    scales: list[float]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rows: int
 
 
 class LeanDecoder:
@@ -80,8 +98,8 @@ class LeanDecoder:
                                 attn.o_proj, layer.post_attention_layernorm, layer.mlp,
                                 sys.modules[type(attn).__module__]))
         # A decode step's layers in one C++ call (csrc/decode_layers.cpp) where every
-        # projection is on the tiled bfloat16 kernel: (weights, epsilons, scales, rows) or None.
-        self.decode_args: tuple[list[torch.Tensor], list[float], list[float], int] | None = None
+        # projection is on the tiled bfloat16 kernel.
+        self.decode_args: DecodeLayerArgs | None = None
         if kernels is not None and decode_layers_enabled() and hasattr(kernels, "decode_layers"):
             self.decode_args = _decode_layer_args(body)
 
@@ -117,15 +135,15 @@ class LeanDecoder:
             return self._plain(x, cos, sin, step)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         tokens = x.shape[1]
-        backend = _decodes_only(step, tokens) if self.decode_args is not None and tokens <= self.decode_args[3] else None
-        if self.decode_args is not None and backend is not None:
-            weights, eps, scales, _ = self.decode_args
-            meta = step.metadata
-            _, _, (_, sizes), head_dim, *_ = self.layers[0]
+        one = self.decode_args
+        meta, backend = step.metadata, step.backend
+        if (one is not None and tokens <= one.rows and isinstance(backend, CpuPagedBackend)
+                and isinstance(meta, CpuPagedMetadata) and meta.num_decodes == tokens and meta.fresh_spans is None
+                and meta.prefix_spans is None and not meta.chunks.prefills):  # decodes only, no prompt chunk
             out = self.kernels.decode_layers(
-                x[0], cos, sin, weights, [c for pair in step.kv_caches for c in pair], eps, scales, self.norm.weight,
-                meta.chunks.slot_mapping, meta.block_table, meta.seq_lens, sizes[0] // head_dim, sizes[1] // head_dim,
-                head_dim, backend.bf16_dot)
+                x[0], cos, sin, one.weights, [c for pair in step.kv_caches for c in pair], one.eps, one.scales,
+                self.norm.weight, meta.chunks.slot_mapping, meta.block_table, meta.seq_lens, one.heads, one.kv_heads,
+                one.head_dim, backend.bf16_dot)
             return out.unsqueeze(0)
         rotary, add_norm = self.kernels.rotary, self.kernels.add_rms_norm
         # Each residual add is fused with the norm that follows it (x + delta, then its
@@ -174,11 +192,9 @@ def _all_fused(body: Any) -> bool:
     return True
 
 
-def _decode_layer_args(body: Any) -> tuple[list[torch.Tensor], list[float], list[float], int] | None:
-    """Every layer's tensors for ``decode_layers`` in its order (input norm, post-attention
-    norm, q/k/v tiles and bias, o_proj's, gate/up's, down's), the norms' epsilons (the final
-    norm's last), the attention scales and the most rows every projection's tiled kernel takes;
-    None unless every projection and norm is on ferry's kernels in bfloat16."""
+def _decode_layer_args(body: Any) -> DecodeLayerArgs | None:
+    """``decode_layers``' fixed arguments; None unless every projection and norm is on ferry's
+    kernels in bfloat16."""
     from .packed_linear import PackedLinear
 
     def tiled(m: Any) -> bool:
@@ -204,15 +220,7 @@ def _decode_layer_args(body: Any) -> tuple[list[torch.Tensor], list[float], list
         eps += [norms[0].variance_epsilon, norms[1].variance_epsilon]
         scales.append(float(attn.scaling))
     eps.append(body.norm.variance_epsilon)
-    return weights, eps, scales, rows
+    attn = body.layers[0].self_attn
+    sizes, head_dim = attn.q_proj.sizes, int(attn.head_dim)
+    return DecodeLayerArgs(weights, eps, scales, sizes[0] // head_dim, sizes[1] // head_dim, head_dim, rows)
 
-
-def _decodes_only(step: StepAttention, tokens: int) -> Any | None:
-    """The CPU paged backend of a step whose every token is a decode (no prompt chunk), else None."""
-    from .backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
-
-    meta, backend = step.metadata, step.backend
-    if (isinstance(backend, CpuPagedBackend) and isinstance(meta, CpuPagedMetadata) and meta.num_decodes == tokens
-            and meta.fresh_spans is None and meta.prefix_spans is None and not meta.chunks.prefills):
-        return backend
-    return None

@@ -186,7 +186,7 @@ def test_decode_layers_switch_and_what_it_declines(monkeypatch: pytest.MonkeyPat
     body = model.get_decoder()
     _fuse(body, BF16)
     built = LeanDecoder.build(body, ops)
-    assert built is not None and built.decode_args is not None and len(built.decode_args[0]) == 10 * 2
+    assert built is not None and built.decode_args is not None and len(built.decode_args.weights) == 10 * 2
     monkeypatch.setenv("FERRY_CPU_DECODE_LAYERS", "0")
     built = LeanDecoder.build(body, ops)
     assert built is not None and built.mode == "fused" and built.decode_args is None
