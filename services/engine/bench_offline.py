@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from services.engine.offline import LLM, GenerationParams
+from services.worker.lean_forward import DECODE_LAYER_PARTS
 from services.worker.runner import set_num_threads
 
 
@@ -141,9 +142,11 @@ def _with_attention_share(llm: LLM, fn: Any) -> Run:
     """Run ``fn`` with the attention backend's ``forward`` and each step's forward timed by
     wall clock: the share of the forward (pack, decoder body, LM head; ``forward_s`` of the
     worker's step result, as /metrics reports it) spent inside the attention backend, whose
-    calls are each layer's cache write, decode kernel, prompt kernels and SDPA fallbacks. No
-    profiler: two clock reads per call, so the throughput stays comparable with plain runs."""
+    calls are each layer's cache write, decode kernel, prompt kernels and SDPA fallbacks, and
+    the same work inside a decode step's one-call layers (its own part clocks). No profiler:
+    two clock reads per call, so the throughput stays comparable with plain runs."""
     runner, backend = llm.runner, llm.runner.attn_backend
+    lean = runner.lean if getattr(runner.lean, "decode_args", None) is not None else None
     inner_forward, inner_execute = backend.forward, runner.execute
     acc = {"attention_s": 0.0, "forward_s": 0.0, "calls": 0}
 
@@ -162,6 +165,9 @@ def _with_attention_share(llm: LLM, fn: Any) -> Run:
 
     before = [(obj, name, vars(obj).get(name)) for obj, name in ((backend, "forward"), (runner, "execute"))]
     backend.forward, runner.execute = forward, execute  # type: ignore[method-assign]
+    part_times = torch.zeros(2, len(DECODE_LAYER_PARTS), dtype=torch.float64)
+    if lean is not None:
+        lean.part_times = part_times
     try:
         run = fn()
     finally:  # as they were: the class's methods, or whatever wrapper was there before
@@ -170,6 +176,9 @@ def _with_attention_share(llm: LLM, fn: Any) -> Run:
                 delattr(obj, name)
             else:
                 setattr(obj, name, old)
+        if lean is not None:  # wall seconds, as the calls timed above
+            acc["attention_s"] += float(part_times[0, DECODE_LAYER_PARTS.index("attention")])
+            lean.part_times = None
     share = acc["attention_s"] / acc["forward_s"] if acc["forward_s"] else 0.0
     run.profile = {"attention_s": round(acc["attention_s"], 4), "forward_s": round(acc["forward_s"], 4),
                    "attention_calls": acc["calls"], "attention_share_of_forward": round(share, 4),

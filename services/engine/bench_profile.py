@@ -100,7 +100,8 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any, lean: Any = 
     functions by file, line and name), so this follows whatever classes the model uses;
     with the runner's lean forward (``lean``, services/worker/lean_forward.py) the body is
     its ``__call__``, attention is the backend's ``forward`` it calls, and the CPU kernels it
-    calls directly (``add_rms_norm``, ``rotary``, ``silu_and_mul``) count by name.
+    calls directly (``add_rms_norm``, ``rotary``, ``silu_and_mul``) count by name; its
+    decode steps in one C++ call (``decode_layers``) count by the call's own part clocks.
     Times are process CPU seconds. Shares are of the body's cumulative time; the LM head (a
     linear layer called by the runner) and the sampler are reported beside it. cProfile
     inflates Python-heavy parts.
@@ -108,6 +109,7 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any, lean: Any = 
     import sys
 
     from services.worker.attention import paged_attention
+    from services.worker.lean_forward import DECODE_LAYER_PARTS
     from services.worker.packed_linear import PackedLinear
     from services.worker.quantize import Int8Linear
 
@@ -145,6 +147,12 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any, lean: Any = 
         return inner(*args, **kwargs)
 
     head.forward = lm_head_forward
+    # A decode step's layers in one C++ call (lean_forward's decode_layers) are one opaque op
+    # to cProfile: the call times its own parts, in process CPU seconds as cProfile's clock.
+    one_call = lean is not None and getattr(lean, "decode_args", None) is not None
+    part_times = torch.zeros(2, len(DECODE_LAYER_PARTS), dtype=torch.float64)
+    if one_call:
+        lean.part_times = part_times
     prof = cProfile.Profile(time.process_time)
     try:
         prof.enable()
@@ -152,6 +160,8 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any, lean: Any = 
         prof.disable()
     finally:
         del head.forward
+        if one_call:
+            lean.part_times = None
     stats: dict[Any, Any] = pstats.Stats(prof).stats  # type: ignore[attr-defined]
 
     def cum(k: tuple[str, int, str]) -> float:
@@ -175,6 +185,8 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any, lean: Any = 
     # the gated MLP's first product with its activation on the accumulators (FusedSiluMLP on
     # the tiled kernel) is a compiled op, not a leaf layer's forward: it counts as linear
     parts["linear"] = sum(cum(k) for k in linear_keys) - head_s + kernel("tiled_silu_linear")
+    for name, seconds in zip(DECODE_LAYER_PARTS, part_times[1].tolist(), strict=True):
+        parts[name] += seconds
     parts["other"] = body_s - sum(parts.values())
     sampler_s = cum(_key(type(sampler).__call__))
     shares = {k: round(v / body_s, 3) if body_s else 0.0 for k, v in parts.items()}

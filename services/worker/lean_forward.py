@@ -62,6 +62,10 @@ def decode_layers_enabled() -> bool:
     return os.environ.get("FERRY_CPU_DECODE_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# The parts of a ``decode_layers`` call its ``times`` counts, in its order (bench_profile's names).
+DECODE_LAYER_PARTS = ("rmsnorm", "linear", "rope", "attention")
+
+
 @dataclass
 class DecodeLayerArgs:
     """What ``decode_layers`` takes that is fixed for the model: every layer's tensors in its
@@ -100,6 +104,9 @@ class LeanDecoder:
         # A decode step's layers in one C++ call (csrc/decode_layers.cpp) where every
         # projection is on the tiled bfloat16 kernel.
         self.decode_args: DecodeLayerArgs | None = None
+        # The profilers' view into that call: float64 [2, 4] seconds (wall, then process CPU)
+        # in its norms, products, rotary embedding and attention, added to; None: not timed.
+        self.part_times: torch.Tensor | None = None
         if kernels is not None and decode_layers_enabled() and hasattr(kernels, "decode_layers"):
             self.decode_args = _decode_layer_args(body)
 
@@ -143,7 +150,7 @@ class LeanDecoder:
             out = self.kernels.decode_layers(
                 x[0], cos, sin, one.weights, [c for pair in step.kv_caches for c in pair], one.eps, one.scales,
                 self.norm.weight, meta.chunks.slot_mapping, meta.block_table, meta.seq_lens, one.heads, one.kv_heads,
-                one.head_dim, backend.bf16_dot)
+                one.head_dim, backend.bf16_dot, self.part_times)
             return out.unsqueeze(0)
         rotary, add_norm = self.kernels.rotary, self.kernels.add_rms_norm
         # Each residual add is fused with the norm that follows it (x + delta, then its

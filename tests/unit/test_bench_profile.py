@@ -106,3 +106,78 @@ def test_attention_share_times_the_backend_inside_the_forward() -> None:
     assert 0 < share["attention_s"] < share["forward_s"]
     assert 0 < share["attention_share_of_forward"] < 1
     assert "forward" not in vars(llm.runner.attn_backend) and llm.runner.execute is counting
+
+
+class _TimedDecodeLayers:
+    """The lean forward's kernels with decode_layers' process time summed and the part clocks it
+    was given kept."""
+
+    def __init__(self, kernels: object) -> None:
+        self._kernels, self.cpu_s, self.times = kernels, 0.0, None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._kernels, name)
+
+    def decode_layers(self, *args):  # type: ignore[no-untyped-def]
+        self.times = args[-1]
+        t0 = time.process_time()
+        try:
+            return self._kernels.decode_layers(*args)
+        finally:
+            self.cpu_s += time.process_time() - t0
+
+
+def _one_call_llm(tmp_path: Path) -> LLM:
+    from services.worker.backends.cpu_paged import load_extension
+
+    if not load_extension().tiled_linear_available():
+        pytest.skip("no AVX512-BF16 tiled linear on this CPU: no one-call decode steps")
+    torch.set_num_threads(1)
+    folder = build_tiny_model(tmp_path / "wide", "llama", hidden_size=512, intermediate_size=4096,
+                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    llm = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory=1 << 24, num_threads=1)
+    lean = llm.runner.lean
+    assert lean is not None and lean.decode_args is not None
+    lean.kernels = _TimedDecodeLayers(lean.kernels)
+    return llm
+
+
+def test_the_one_call_decode_steps_are_split_into_their_parts(tmp_path: Path) -> None:
+    """A decode step's layers in one C++ call are one op to cProfile: without the call's own
+    part clocks all of it would be "other"; with them each part has its share of the call."""
+    llm = _one_call_llm(tmp_path)
+    runner = llm.runner
+    params = GenerationParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(300 + 40 * i, 316 + 40 * i)) for i in range(4)]
+    out = profile_shares(lambda: llm.generate(prompts, params), runner.model, runner.sampler, runner.lean,
+                         runner.attn_backend)
+    timed = runner.lean.kernels
+    parts = out["parts_s"]
+    assert timed.times is not None and runner.lean.part_times is None  # the clocks were on, and are off again
+    one_call = timed.times[1].tolist()  # process CPU seconds per part, as cProfile's clock
+    assert all(t > 0 for t in one_call)
+    assert 0.8 * timed.cpu_s <= sum(one_call) <= timed.cpu_s  # the parts hold nearly all of the call
+    for name, seconds in zip(("rmsnorm", "linear", "rope", "attention"), one_call, strict=True):
+        assert parts[name] >= seconds  # counted in its part, beside the loop steps' own
+    assert parts["other"] < out["body_s"] - sum(one_call)
+    assert abs(sum(out["shares_of_body"].values()) - 1.0) < 0.01
+
+
+def test_attention_share_counts_the_one_call_decode_steps(tmp_path: Path) -> None:
+    from services.engine.bench_offline import Run, _with_attention_share
+
+    llm = _one_call_llm(tmp_path)
+    params = GenerationParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(300 + 40 * i, 316 + 40 * i)) for i in range(4)]
+
+    def go() -> Run:
+        produced = sum(len(o.token_ids) for o in llm.generate(prompts, params, decode=False))
+        return Run("ferry", "bfloat16", 1, 1.0, 1.0, produced, 64, 64.0, 64.0, {})
+
+    run = _with_attention_share(llm, go)
+    timed = llm.runner.lean.kernels
+    assert timed.times is not None and llm.runner.lean.part_times is None
+    one_call_attention = float(timed.times[0, 3])
+    assert one_call_attention > 0
+    assert run.profile is not None and run.profile["attention_s"] > one_call_attention
+    assert run.profile["attention_s"] < run.profile["forward_s"]

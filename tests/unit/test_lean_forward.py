@@ -12,6 +12,7 @@ architecture differs, the lean forward must decline.
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from services.worker.attention import ATTN_IMPLEMENTATION, StepAttention, regist
 from services.worker.backends import select_backend
 from services.worker.backends.build import build_paged_batch
 from services.worker.kv_cache import KVCache
-from services.worker.lean_forward import LeanDecoder
+from services.worker.lean_forward import DECODE_LAYER_PARTS, LeanDecoder
 from services.worker.packed_linear import fuse_projections, pack_linears
 
 CPU = torch.device("cpu")
@@ -113,17 +114,21 @@ def _check_steps(body: torch.nn.Module, lean: LeanDecoder, config, backend_name:
 
 
 class _Counting:
-    """The kernels' module with its decode_layers calls counted."""
+    """The kernels' module with its decode_layers calls counted and their wall time summed."""
 
     def __init__(self, kernels: object) -> None:
-        self._kernels, self.calls = kernels, 0
+        self._kernels, self.calls, self.wall_s = kernels, 0, 0.0
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._kernels, name)
 
     def decode_layers(self, *args: object) -> torch.Tensor:
         self.calls += 1
-        return self._kernels.decode_layers(*args)
+        t0 = time.perf_counter()
+        try:
+            return self._kernels.decode_layers(*args)
+        finally:
+            self.wall_s += time.perf_counter() - t0
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -132,7 +137,8 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(kind: str, kv_dtype: torc
     """bfloat16 on the tiled kernels: a step of decodes only runs every layer in one C++ call,
     with the same hidden states and the same keys and values written as the Python loop, for a
     bfloat16 and a float8 cache, grouped-query heads, q/k/v biases (Qwen2), contexts across
-    block boundaries and 1-5 requests; steps with a prompt chunk keep the loop."""
+    block boundaries and 1-5 requests; steps with a prompt chunk keep the loop. Its part clocks
+    (on here, for the profilers) change nothing and fill every part, within the call's time."""
     ops = fused_ops.kernels()
     if ops is None or not ops.tiled_linear_available() or not torch.backends.mkldnn.is_available():
         pytest.skip("no tiled bfloat16 kernel on this CPU: no decode_layers path")
@@ -147,6 +153,7 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(kind: str, kv_dtype: torc
     loop = LeanDecoder.build(body, ops)
     assert one_call is not None and loop is not None and one_call.decode_args is not None
     loop.decode_args = None
+    one_call.part_times = torch.zeros(2, len(DECODE_LAYER_PARTS), dtype=torch.float64)
     backend = select_backend("cpu_paged", CPU)
     caches = {name: KVCache.allocate(config.to_dict(), 40, BLOCK, kv_dtype, "cpu") for name in ("loop", "one")}
     gen = torch.Generator().manual_seed(3)
@@ -171,6 +178,9 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(kind: str, kv_dtype: torc
         assert got.shape == want.shape and got.dtype == BF16
         assert torch.equal(got, want)
     assert one_call.kernels.calls == 4
+    wall, cpu = one_call.part_times.tolist()
+    assert all(t > 0 for t in wall + cpu)  # norms, products, rotary, attention: each timed
+    assert sum(wall) <= one_call.kernels.wall_s
     for (k1, v1), (k2, v2) in zip(caches["loop"].caches, caches["one"].caches, strict=True):
         assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8)) and torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
         assert k1.float().abs().sum() > 0

@@ -13,8 +13,15 @@
 // `caches`: each layer's key and value caches; eps: each layer's two norms' then the final
 // norm's; slots [T] int64, block_table [T, max_blocks] int32, seq_lens [T] int32 as
 // write_kv and paged_decode take them. Returns the final norm's output, [T, hidden].
+//
+// times (optional, float64 [2, 4], added to): seconds in the norms, the products, the rotary
+// embedding and the attention (cache write, decode kernel and their dtype conversions), wall
+// clock in row 0 and the process's CPU time in row 1, for the profilers (bench_profile.py,
+// bench_offline --attention-share), which otherwise see this call as one opaque op.
 
 #include <torch/extension.h>
+#include <time.h>
+#include <optional>
 #include <vector>
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -28,10 +35,40 @@ torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
 
 constexpr int64_t DECODE_LAYER_TENSORS = 10;
 
+// The parts' clocks: two clock reads at each boundary, and nothing at all without `times`.
+class PartClock {
+ public:
+  enum Part { NORM = 0, LINEAR = 1, ROPE = 2, ATTENTION = 3, PARTS = 4 };
+  explicit PartClock(double* times) : times_(times) { lap(); }
+  // Charges the time since the last boundary to `part`.
+  void charge(Part part) {
+    if (times_ == nullptr) return;
+    const double wall = wall_, cpu = cpu_;
+    lap();
+    times_[part] += wall_ - wall;
+    times_[PARTS + part] += cpu_ - cpu;
+  }
+
+ private:
+  static double seconds(clockid_t id) {
+    timespec ts;
+    clock_gettime(id, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  }
+  void lap() {
+    if (times_ == nullptr) return;
+    wall_ = seconds(CLOCK_MONOTONIC);
+    cpu_ = seconds(CLOCK_PROCESS_CPUTIME_ID);
+  }
+  double* times_;
+  double wall_ = 0, cpu_ = 0;
+};
+
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> caches, std::vector<double> eps, std::vector<double> scales,
                             torch::Tensor final_norm, torch::Tensor slots, torch::Tensor block_table,
-                            torch::Tensor seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, bool bf16_dot) {
+                            torch::Tensor seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, bool bf16_dot,
+                            std::optional<torch::Tensor> times) {
   const int64_t layers = static_cast<int64_t>(scales.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == DECODE_LAYER_TENSORS * layers &&
               static_cast<int64_t>(caches.size()) == 2 * layers && static_cast<int64_t>(eps.size()) == 2 * layers + 1,
@@ -40,8 +77,13 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   const int64_t T = x.size(0), qw = heads * head_dim, kw = kv_heads * head_dim;
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == T && block_table.dim() == 2 && block_table.size(0) == T,
               "every token a decode: one block-table row and one length per token");
+  if (times.has_value())
+    TORCH_CHECK(times->scalar_type() == at::kDouble && times->is_contiguous() &&
+                times->numel() == 2 * PartClock::PARTS, "times: float64 [2, 4], contiguous");
+  PartClock clock(times.has_value() ? times->data_ptr<double>() : nullptr);
   const bool fp8 = caches[0].scalar_type() == at::kFloat8_e4m3fn;
   torch::Tensor h = rms_norm(x, weights[0], eps[0]);
+  clock.charge(PartClock::NORM);
   torch::Tensor delta;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + DECODE_LAYER_TENSORS * l;
@@ -49,11 +91,14 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     if (l > 0) {
       auto sum_norm = add_rms_norm(x, delta, w[0], eps[2 * l]);
       x = sum_norm[0], h = sum_norm[1];
+      clock.charge(PartClock::NORM);
     }
     const torch::Tensor qkv = tiled_linear(h, w[2], w[3]);  // [T, qw + 2 kw]
     TORCH_CHECK(qkv.size(1) == qw + 2 * kw, "q/k/v widths");
+    clock.charge(PartClock::LINEAR);
     auto qk = rotary(qkv.narrow(1, 0, qw).view({T, heads, head_dim}), qkv.narrow(1, qw, kw).view({T, kv_heads, head_dim}),
                      cos, sin);
+    clock.charge(PartClock::ROPE);
     const torch::Tensor v = qkv.narrow(1, qw + kw, kw).view({T, kv_heads, head_dim});
     // as the backend's forward: keys and values in the cache's dtype (a float8 cache converts them itself)
     write_kv(fp8 ? qk[1] : qk[1].to(k_cache.scalar_type()), fp8 ? v : v.to(v_cache.scalar_type()), k_cache, v_cache,
@@ -61,9 +106,16 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const torch::Tensor q = fp8 ? qk[0] : qk[0].to(k_cache.scalar_type()).contiguous();
     const torch::Tensor o = paged_decode(q, k_cache, v_cache, block_table, seq_lens, scales[l], bf16_dot)
                                 .to(x.scalar_type());
-    auto sum_norm = add_rms_norm(x, tiled_linear(o.reshape({T, qw}), w[4], w[5]), w[1], eps[2 * l + 1]);
+    clock.charge(PartClock::ATTENTION);
+    const torch::Tensor projected = tiled_linear(o.reshape({T, qw}), w[4], w[5]);
+    clock.charge(PartClock::LINEAR);
+    auto sum_norm = add_rms_norm(x, projected, w[1], eps[2 * l + 1]);
     x = sum_norm[0], h = sum_norm[1];
+    clock.charge(PartClock::NORM);
     delta = tiled_linear(tiled_silu_linear(h, w[6], w[7]), w[8], w[9]);
+    clock.charge(PartClock::LINEAR);
   }
-  return add_rms_norm(x, delta, final_norm, eps[2 * layers])[1];
+  torch::Tensor out = add_rms_norm(x, delta, final_norm, eps[2 * layers])[1];
+  clock.charge(PartClock::NORM);
+  return out;
 }
