@@ -249,11 +249,12 @@ def test_write_kv_rounds_to_float8_as_torch_does(src: torch.dtype) -> None:
 def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: bool, head_dim: int,
                                                  heads: tuple[int, int]) -> None:
     """cpu_paged's fresh-chunk kernel: several prompts (tile and key-block edges: 1, 15-17, 32-33, 200
-    tokens) packed behind two decode rows, q/k/v as strided views of one product, 2 threads; bfloat16
-    through AVX512-BF16 dot products (where the CPU has them) and through float32 FMAs."""
+    tokens; 530 and 1030 past the bfloat16 kernel's 512-key softmax passes, a query tile across
+    their edge) packed behind two decode rows, q/k/v as strided views of one product, 2 threads;
+    bfloat16 through AVX512-BF16 dot products (where the CPU has them) and through float32 FMAs."""
     kernel = _cpu_kernels(prompts=True)
     num_heads, kv_heads = heads
-    lens = [17, 1, 200, 33, 16, 15, 32]
+    lens = [17, 1, 200, 33, 16, 15, 32, 530, 1030]
     total = 2 + sum(lens)
     gen = torch.Generator().manual_seed(head_dim + num_heads)
     qkv = torch.randn(total, (num_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -316,12 +317,12 @@ def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torc
     """cpu_paged's kernels for chunks with a cached prefix: queries at positions prefix.. attend
     to every key before them, all read from the paged cache through shuffled block tables.
     Prefixes and chunk lengths on and off the kernels' 16-query and 32/16-key tiles and the
-    cache's blocks; bfloat16 through AVX512-BF16 dot products (where the CPU has them) and
+    cache's blocks, and contexts across the bfloat16 kernel's 512-key softmax passes; bfloat16 through AVX512-BF16 dot products (where the CPU has them) and
     float32 FMAs; a float8 cache (--kv-cache-dtype fp8) read with queries in the model's dtype,
     against attention over the float8 values; rows outside the spans are left alone."""
     kernel = _cpu_kernels(prompts=True)
     num_heads, kv_heads = heads
-    chunks = [(1, 5), (200, 17), (16, 32), (31, 33), (64, 1), (3, 100)]  # (prefix, chunk length)
+    chunks = [(1, 5), (200, 17), (16, 32), (31, 33), (64, 1), (3, 100), (500, 40), (1030, 5)]  # (prefix, length)
     gen = torch.Generator().manual_seed(head_dim * 10 + num_heads + block_size)
     width = max(-(-(p + n) // block_size) for p, n in chunks)
     num_blocks = len(chunks) * width + 3

@@ -105,6 +105,15 @@ struct ContextRows {
 namespace {
 constexpr int64_t BQ = 16;  // query tokens per work item
 constexpr int64_t BK = 32;  // keys per tile (two vectors of scores)
+// Keys per softmax pass of the bfloat16 kernel: a work item's scores over them (48 rows x 512
+// floats for SmolLM2) stay in L2, and a prompt of up to 512 tokens takes one pass.
+constexpr int64_t SPAN = 512;
+constexpr int64_t QR = 8;  // query rows per Q.K^T pass of the bfloat16 kernel (16 accumulators)
+
+// The first n of sixteen lanes (none for n <= 0, all for n >= 16).
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << n) - 1);
+}
 
 // Two output rows (nr of them real) of D = NV * 16 floats into registers for P.V, and back.
 template <int64_t NV>
@@ -311,13 +320,22 @@ static inline uint16_t bf16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(st
 // do; the softmax's maximum and sum stay float32. A chunk with a cached prefix (ContextRows
 // paged) lays out its whole context, prefix included, from the cache (a float8 cache's values
 // widened exactly).
+//
+// A work item takes its keys SPAN (512) at a time in three passes: every score of the span
+// (eight query rows a pass, each row only as far as its causal edge, to the half tile), then
+// each row's softmax with one maximum for the whole span, then P.V four rows a pass, each
+// block only over the keys its last row sees. A prompt of up to 512 tokens never rescales;
+// longer contexts rescale once a span, as flash attention does once a tile. Against one
+// 32-key tile at a time through all three steps (the twenty-second session's kernel): 0.85x
+// the time on ten 200-token prompts (docs/benchmarks.md, "Prompt attention in 512-key passes").
 template <typename cache_t, int64_t NV>
 void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows,
                          c10::BFloat16* out, const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads,
                          int64_t num_kv_heads, float scale) {
   constexpr int64_t D = NV * 16, DP = D / 2, TILE = DP * BK;  // uint32 per key tile = uint16 pairs per value tile
+  constexpr int64_t PR = NV <= 4 ? 4 : 2;  // rows per P.V pass: 16 accumulators
   const int64_t G = num_heads / num_kv_heads;
-  const int64_t rows_max = (BQ * G + 3) / 4 * 4;
+  const int64_t rows_max = (BQ * G + QR - 1) / QR * QR;
   // off: first tile of this (chunk, KV head) in Kp/Vp; prefix: context positions before the
   // chunk's first query
   struct Panel { int64_t start, len, kvh, off, prefix, span; };
@@ -367,68 +385,119 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
     const Panel& pn = panels[items[i].panel];
     return item_cost(pn.prefix, pn.len, items[i].q0, BQ);
   }, [&](int64_t begin, int64_t end) {
-    std::vector<float> O(rows_max * D), S(rows_max * BK), m(rows_max), l(rows_max * 16);
-    std::vector<uint32_t> P(rows_max * BK / 2);
+    std::vector<float> O(rows_max * D), S(rows_max * SPAN), m(rows_max), l(rows_max);
+    std::vector<uint32_t> P(rows_max * SPAN / 2);
+    std::vector<int64_t> vis(rows_max);
     std::vector<const uint32_t*> qrow(rows_max);
     const std::vector<uint32_t> zero_row(DP, 0u);
+    const __m512 sv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
     for (int64_t it = begin; it < end; ++it) {
       const Panel& pn = panels[items[it].panel];
       const int64_t q0 = items[it].q0, nq = std::min(BQ, pn.len - q0);
-      const int64_t R = nq * G, Rp = (R + 3) / 4 * 4;
+      const int64_t R = nq * G, Rp = (R + QR - 1) / QR * QR;
       for (int64_t r = 0; r < Rp; ++r)  // row r = i * G + g: token i of the tile, head g of the KV head's group
         qrow[r] = r < R ? reinterpret_cast<const uint32_t*>(q + (pn.start + q0 + r / G) * q_st + (pn.kvh * G + r % G) * q_sh)
                         : zero_row.data();
+      for (int64_t r = 0; r < R; ++r) vis[r] = pn.prefix + q0 + r / G + 1;  // row r sees context keys [0, vis[r])
       std::fill(O.begin(), O.begin() + Rp * D, 0.f);
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t kend = pn.prefix + q0 + nq;  // the tile's last query sees every key before it
-      const __m512 sv = _mm512_set1_ps(scale);
-      for (int64_t k0 = 0, t = 0; k0 < kend; k0 += BK, ++t) {
-        const int64_t kn = std::min(BK, kend - k0);
-        const uint32_t* kt = Kp.data() + (pn.off + t) * TILE;
-        const uint32_t* vt = Vp.data() + (pn.off + t) * TILE;
-        for (int64_t r0 = 0; r0 < Rp; r0 += 4) {  // S = scale * Q K^T: four rows x 32 keys per pass
-          __m512 a[4][2];
-          for (auto& row : a) row[0] = row[1] = _mm512_setzero_ps();
-          for (int64_t p = 0; p < DP; ++p) {
-            const __m512bh k0v = (__m512bh)_mm512_loadu_si512(kt + p * BK);
-            const __m512bh k1v = (__m512bh)_mm512_loadu_si512(kt + p * BK + 16);
-            for (int64_t rr = 0; rr < 4; ++rr) {
-              const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qrow[r0 + rr][p]));
-              a[rr][0] = _mm512_dpbf16_ps(a[rr][0], qb, k0v);
-              a[rr][1] = _mm512_dpbf16_ps(a[rr][1], qb, k1v);
+      for (int64_t K0 = 0; K0 < kend; K0 += SPAN) {
+        const int64_t kspan = std::min(SPAN, kend - K0);
+        // row r's visible keys in this span: [0, lim(r))
+        const auto lim = [&](int64_t r) { return std::clamp<int64_t>(vis[r] - K0, 0, kspan); };
+        // S = scale * Q K^T, QR rows at a time (2 QR accumulators), up to the last key any of
+        // them sees: 32 keys a pass, 16 for a last half tile
+        for (int64_t r0 = 0; r0 < Rp; r0 += QR) {
+          const int64_t qend = lim(std::min(r0 + QR - 1, R - 1));
+          const uint32_t* const* qr = qrow.data() + r0;
+          for (int64_t k = 0; k < qend; k += BK) {
+            const uint32_t* kt = Kp.data() + (pn.off + (K0 + k) / BK) * TILE;
+            float* s = S.data() + r0 * SPAN + k;
+            if (qend - k > 16) {
+              __m512 a[QR][2];
+              for (auto& row : a) row[0] = row[1] = _mm512_setzero_ps();
+              for (int64_t p = 0; p < DP; ++p) {
+                const __m512bh k0v = (__m512bh)_mm512_loadu_si512(kt + p * BK);
+                const __m512bh k1v = (__m512bh)_mm512_loadu_si512(kt + p * BK + 16);
+                for (int64_t rr = 0; rr < QR; ++rr) {
+                  const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][p]));
+                  a[rr][0] = _mm512_dpbf16_ps(a[rr][0], qb, k0v);
+                  a[rr][1] = _mm512_dpbf16_ps(a[rr][1], qb, k1v);
+                }
+              }
+              for (int64_t rr = 0; rr < QR; ++rr) {
+                _mm512_storeu_ps(s + rr * SPAN, _mm512_mul_ps(a[rr][0], sv));
+                _mm512_storeu_ps(s + rr * SPAN + 16, _mm512_mul_ps(a[rr][1], sv));
+              }
+            } else {
+              __m512 a[QR];
+              for (auto& row : a) row = _mm512_setzero_ps();
+              for (int64_t p = 0; p < DP; ++p) {
+                const __m512bh k0v = (__m512bh)_mm512_loadu_si512(kt + p * BK);
+                for (int64_t rr = 0; rr < QR; ++rr)
+                  a[rr] = _mm512_dpbf16_ps(a[rr], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][p])), k0v);
+              }
+              for (int64_t rr = 0; rr < QR; ++rr) _mm512_storeu_ps(s + rr * SPAN, _mm512_mul_ps(a[rr], sv));
             }
           }
-          for (int64_t rr = 0; rr < 4; ++rr) {
-            _mm512_storeu_ps(S.data() + (r0 + rr) * BK, _mm512_mul_ps(a[rr][0], sv));
-            _mm512_storeu_ps(S.data() + (r0 + rr) * BK + 16, _mm512_mul_ps(a[rr][1], sv));
+        }
+        // softmax row by row over the keys it sees (one max for the whole span: no rescale within
+        // it), P as bfloat16 pairs of keys, zero past them up to what its P.V pass reads
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t n = lim(r), fill = (lim(std::min(r - r % PR + PR - 1, R - 1)) + BK - 1) / BK * BK;
+          const float* sr = S.data() + r * SPAN;
+          uint32_t* pr = P.data() + r * (SPAN / 2);
+          __m512 mx = ninf;
+          for (int64_t k = 0; k < n; k += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, lanes_below(n - k), sr + k));
+          const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx));
+          const float alpha = mnew == m[r] ? 1.f : std::exp(m[r] - mnew);  // exp(-inf) = 0 on the first span
+          m[r] = mnew;
+          const __m512 mv = _mm512_set1_ps(mnew);
+          __m512 sum = zero;
+          for (int64_t k = 0; k < fill; k += BK) {
+            __m512 p0 = zero, p1 = zero;
+            if (k < n) {
+              const __mmask16 v0 = lanes_below(n - k), v1 = lanes_below(n - k - 16);
+              p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(v0, sr + k), mv)));
+              if (v1) p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(v1, sr + k + 16), mv)));
+              sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            }
+            _mm512_storeu_si512(pr + k / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+          }
+          l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+          if (alpha != 1.f) {
+            const __m512 av = _mm512_set1_ps(alpha);
+            for (int64_t vv = 0; vv < NV; ++vv)
+              _mm512_storeu_ps(O.data() + r * D + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + vv * 16), av));
           }
         }
-        for (int64_t r = 0; r < R; ++r) {  // causal mask and online softmax; P to bfloat16 pairs
-          __m512 p0, p1;
-          softmax_row<NV>(S.data() + r * BK, std::min(kn, pn.prefix + q0 + r / G - k0 + 1), m[r], l.data() + r * 16,
-                          O.data() + r * D, p0, p1);
-          _mm512_storeu_si512(P.data() + r * (BK / 2), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
-        const int64_t pairs = (kn + 1) / 2;  // O += P V: two rows per pass, two keys per instruction
-        for (int64_t r0 = 0; r0 < R; r0 += 2) {
-          const int64_t nr = std::min<int64_t>(2, R - r0);
-          __m512 acc[2][NV];
-          load_rows<NV>(O.data() + r0 * NV * 16, nr, acc);
+        // O += P V: PR rows at a time over the keys the last of them sees, two keys per
+        // instruction; a panel's value tiles are contiguous, so its key pairs run on across tiles
+        const uint32_t* vspan = Vp.data() + (pn.off + K0 / BK) * TILE;
+        for (int64_t r0 = 0; r0 < R; r0 += PR) {
+          const int64_t nr = std::min<int64_t>(PR, R - r0), pairs = (lim(r0 + nr - 1) + 1) / 2;
+          if (pairs == 0) continue;
+          __m512 acc[PR][NV];
+          for (int64_t rr = 0; rr < PR; ++rr)
+            for (int64_t vv = 0; vv < NV; ++vv) acc[rr][vv] = _mm512_loadu_ps(O.data() + (r0 + rr) * D + vv * 16);
+          const uint32_t* pr = P.data() + r0 * (SPAN / 2);
           for (int64_t cp = 0; cp < pairs; ++cp) {
             __m512bh vrow[NV];
-            for (int64_t vv = 0; vv < NV; ++vv) vrow[vv] = (__m512bh)_mm512_loadu_si512(vt + cp * D + vv * 16);
-            for (int64_t rr = 0; rr < 2; ++rr) {
-              const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(P[(r0 + rr) * (BK / 2) + cp]));
+            for (int64_t vv = 0; vv < NV; ++vv) vrow[vv] = (__m512bh)_mm512_loadu_si512(vspan + cp * D + vv * 16);
+            for (int64_t rr = 0; rr < PR; ++rr) {
+              const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[rr * (SPAN / 2) + cp]));
               for (int64_t vv = 0; vv < NV; ++vv) acc[rr][vv] = _mm512_dpbf16_ps(acc[rr][vv], pb, vrow[vv]);
             }
           }
-          store_rows<NV>(O.data() + r0 * NV * 16, nr, acc);
+          for (int64_t rr = 0; rr < nr; ++rr)
+            for (int64_t vv = 0; vv < NV; ++vv) _mm512_storeu_ps(O.data() + (r0 + rr) * D + vv * 16, acc[rr][vv]);
         }
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r / G, g = r % G;
-        const __m512 inv = _mm512_set1_ps(1.f / row_sum(l.data() + r * 16));
+        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
         c10::BFloat16* dst = out + ((pn.start + q0 + i) * num_heads + pn.kvh * G + g) * D;
         for (int64_t vv = 0; vv < NV; ++vv) store16(dst + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + vv * 16), inv));
       }
