@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -351,13 +352,14 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
       num_tiles += n;
     }
   }
-  std::vector<uint32_t> Kp(num_tiles * TILE), Vp(num_tiles * TILE);
+  // not zeroed: the layout below writes every word of every tile (zeros past the context)
+  const std::unique_ptr<uint32_t[]> Kp(new uint32_t[num_tiles * TILE]), Vp(new uint32_t[num_tiles * TILE]);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Panel& pn = panels[tiles[i].first];
       const int64_t t = tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
-      uint32_t* kt = Kp.data() + (pn.off + t) * TILE;
-      uint16_t* vt = reinterpret_cast<uint16_t*>(Vp.data() + (pn.off + t) * TILE);
+      uint32_t* kt = Kp.get() + (pn.off + t) * TILE;
+      uint16_t* vt = reinterpret_cast<uint16_t*>(Vp.get() + (pn.off + t) * TILE);
       if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {  // whole vectors, zeros past kn
         lay_out_tile_bf16<NV>([&](int64_t c) { return rows.key(pn.span, pn.start, pn.kvh, k0 + c); },
                               [&](int64_t c) { return rows.value(pn.span, pn.start, pn.kvh, k0 + c); }, kn, kt, vt);
@@ -413,7 +415,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
           const int64_t qend = lim(std::min(r0 + QR - 1, R - 1));
           const uint32_t* const* qr = qrow.data() + r0;
           for (int64_t k = 0; k < qend; k += BK) {
-            const uint32_t* kt = Kp.data() + (pn.off + (K0 + k) / BK) * TILE;
+            const uint32_t* kt = Kp.get() + (pn.off + (K0 + k) / BK) * TILE;
             float* s = S.data() + r0 * SPAN + k;
             if (qend - k > 16) {
               __m512 a[QR][2];
@@ -475,7 +477,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
         }
         // O += P V: PR rows at a time over the keys the last of them sees, two keys per
         // instruction; a panel's value tiles are contiguous, so its key pairs run on across tiles
-        const uint32_t* vspan = Vp.data() + (pn.off + K0 / BK) * TILE;
+        const uint32_t* vspan = Vp.get() + (pn.off + K0 / BK) * TILE;
         for (int64_t r0 = 0; r0 < R; r0 += PR) {
           const int64_t nr = std::min<int64_t>(PR, R - r0), pairs = (lim(r0 + nr - 1) + 1) / 2;
           if (pairs == 0) continue;
