@@ -35,20 +35,26 @@ def test_profile_finds_the_body_and_its_parts(lean: bool) -> None:
         assert body == 0.0 and all(v == 0.0 for v in out["shares_of_body"].values())
 
 
+def _wide_llm(tmp_path: Path, **shape: int) -> LLM:
+    """A bfloat16 Llama with a wide MLP (4,096) on the tiled kernels, one thread; skips without them."""
+    from services.worker.backends.cpu_paged import load_extension
+
+    if not load_extension().tiled_linear_available():
+        pytest.skip("no AVX512-BF16 tiled linear on this CPU")
+    torch.set_num_threads(1)
+    folder = build_tiny_model(tmp_path / "wide", "llama", intermediate_size=4096, num_key_value_heads=2, head_dim=64,
+                              **shape)
+    return LLM(model=str(folder), dtype="bfloat16", kv_cache_memory=1 << 24, num_threads=1)
+
+
 def test_the_gated_products_count_as_linear(tmp_path: Path) -> None:
     """bfloat16 on the tiled kernel: the gate/up product with its activation fused in is one
     compiled op called from the MLP, not a leaf layer; it is linear work, not "other". With
     a wide MLP it takes more time than every leaf product together, so the linear part must
     exceed it."""
-    from services.worker.backends.cpu_paged import load_extension
     from services.worker.fused_ops import FusedSiluMLP
 
-    if not load_extension().tiled_linear_available():
-        pytest.skip("no AVX512-BF16 tiled linear on this CPU")
-    torch.set_num_threads(1)
-    folder = build_tiny_model(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=4096,
-                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    llm = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory=1 << 24, num_threads=1)
+    llm = _wide_llm(tmp_path, hidden_size=256, num_hidden_layers=1, num_attention_heads=4)
     runner = llm.runner
     mlps = [m for m in runner.model.modules() if isinstance(m, FusedSiluMLP)]
     assert mlps and all(m._gated is not None for m in mlps)
@@ -128,14 +134,7 @@ class _TimedDecodeLayers:
 
 
 def _one_call_llm(tmp_path: Path) -> LLM:
-    from services.worker.backends.cpu_paged import load_extension
-
-    if not load_extension().tiled_linear_available():
-        pytest.skip("no AVX512-BF16 tiled linear on this CPU: no one-call decode steps")
-    torch.set_num_threads(1)
-    folder = build_tiny_model(tmp_path / "wide", "llama", hidden_size=512, intermediate_size=4096,
-                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    llm = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory=1 << 24, num_threads=1)
+    llm = _wide_llm(tmp_path, hidden_size=512, num_hidden_layers=2, num_attention_heads=8)
     lean = llm.runner.lean
     assert lean is not None and lean.decode_args is not None
     lean.kernels = _TimedDecodeLayers(lean.kernels)
