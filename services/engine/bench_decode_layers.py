@@ -17,14 +17,13 @@ asserted in a test.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from services.engine.bench_io import header, write_json
 
 
 def _decode_step(llm: Any, n: int) -> tuple[Any, Any, Any]:
@@ -122,20 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as ferry serve gives its worker (read when OpenMP starts)
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
-    result: dict[str, Any] = {
-        "command": " ".join(["python -m services.engine.bench_decode_layers", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    result = header("services.engine.bench_decode_layers", argv)
     if "body" in parts:
         result["body"] = body([int(x) for x in args.batches.split(",")], args.calls)
     if "served" in parts:
         out_dir = args.out.parent if args.out else Path("results")
         result["served"] = served([int(x) for x in args.concurrency.split(",")], args.repeats, out_dir / "decode-layers-logs")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

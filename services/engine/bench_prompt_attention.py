@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import platform
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from services.engine.bench_io import header, write_json
 
 KERNEL = "prefill_attention.cpp"
 HEADERS = ("vec512.h", "vec256.h", "work_split.h")
@@ -231,22 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     mods = {"against": build(texts), "new": build({n: (_csrc() / n).read_text() for n in (KERNEL, *HEADERS)})}
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     heads, kv_heads = (int(x) for x in args.heads.split(","))
-    result: dict[str, Any] = {
-        "command": " ".join(["python -m services.engine.bench_prompt_attention",
-                             *(argv if argv is not None else sys.argv[1:])]),
-        "against": label,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    result = {**header("services.engine.bench_prompt_attention", argv), "against": label}
     if "kernel" in parts:
         shapes = [s for s in args.shapes.split(";") if s.strip()]
         result["kernel"] = kernel(mods, shapes, args.layers, args.rounds, heads, kv_heads, args.head_dim)
     if "model" in parts:
         result["model"] = model(mods["against"], args.runs)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

@@ -24,7 +24,6 @@ bfloat16 on a CPU with AVX512-BF16 only (the kernel's instruction); elsewhere it
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from services.engine.bench_io import header, write_json
 
 # SmolLM2-135M's products per layer as ferry runs them: (in, out) of q/k/v fused, o, gate/up fused, down
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
@@ -192,17 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         print("no tiled kernel here (it needs AVX512-BF16 and the CPU kernels' build)")
         return 1
     parts = set(args.parts.split(","))
-    result: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds}
+    result = {**header("services.engine.bench_tiled_linear", argv), "threads": args.threads, "rounds": args.rounds}
     if "linears" in parts:
         result["linears"] = run_linears(kernels, [int(x) for x in args.rows.split(",")], args.rounds)
     if "prefetch" in parts:
         result["prefetch"] = run_prefetch(kernels, [int(x) for x in args.rows.split(",")], args.rounds)
     if "steps" in parts:
         result["steps"] = run_steps([int(x) for x in args.batches.split(",")], args.rounds, args.threads)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 
