@@ -26,11 +26,13 @@ kernel at ~32), blocks of 8 rows x 48 outputs past that. On the Zen 4 EPYC it ra
 products 1.5-1.8x as fast as oneDNN's packed kernels at 1-8 rows, 1.13x at 64 and level from
 256 to 2,048 rows (docs/benchmarks.md, "One bfloat16 linear kernel for every batch"), so there
 it takes every product and oneDNN's copy of the weight is dropped. On a CPU with AMX, whose tile instructions oneDNN uses, it takes
-only products of up to ``SMALL_BATCH_ROWS`` rows and oneDNN keeps the rest (and its copy).
+only products of up to ``SMALL_BATCH_ROWS`` rows and oneDNN keeps the rest (and its copy):
+on a 2-vCPU Xeon with AMX its products ran the model's body 1.07-1.26x as fast as oneDNN's
+at 1 and 3-6 rows, 0.91x at 8 and 0.27x at 64 (docs/benchmarks.md, "On a CPU with AMX").
 It sums in another order than oneDNN, so its outputs are within one bfloat16 step of
 oneDNN's, not bit for bit; a row's result does not depend on how many rows are computed with
-it. ``FERRY_CPU_TILED_LINEAR=0`` keeps every product on oneDNN, ``small`` sends only up to 8
-rows to it.
+it. ``FERRY_CPU_TILED_LINEAR=0`` keeps every product on oneDNN, ``small`` sends only up to
+``SMALL_BATCH_ROWS`` rows to it.
 
 float32 too: there oneDNN's kernels sum in another order than MKL's (differences ~1e-5
 relative on these shapes), so logits are no longer bit-identical to transformers', but
@@ -55,7 +57,7 @@ from torch import nn
 log = logging.getLogger("ferry.worker.packed_linear")
 
 BATCH_HINT = 64  # the M oneDNN picks its layout for; measured best or near-best from M=1 to 2048
-SMALL_BATCH_ROWS = 8  # the tiled kernel's rows where oneDNN keeps the larger products (AMX, or "small")
+SMALL_BATCH_ROWS = 6  # the tiled kernel's rows where oneDNN keeps the larger products (AMX, or "small"); measured
 ALL_ROWS = 1 << 62  # the tiled kernel takes every product
 
 
@@ -264,8 +266,8 @@ def tiled_rows(dtype: torch.dtype) -> int:
     """How many rows at most a bfloat16 product sends to the tiled kernel (0: none).
 
     ``FERRY_CPU_TILED_LINEAR``: ``auto`` (default) every product where the CPU has no AMX,
-    up to ``SMALL_BATCH_ROWS`` where it has (oneDNN's AMX kernels, not measured here, keep the
-    larger ones); ``small`` up to ``SMALL_BATCH_ROWS`` on any CPU; ``0`` none (for A/B runs).
+    up to ``SMALL_BATCH_ROWS`` where it has (oneDNN's AMX kernels keep the larger ones: 1.1x
+    the tiled kernel's speed at 8 rows, 3.7x at 64); ``small`` up to ``SMALL_BATCH_ROWS`` on any CPU; ``0`` none (for A/B runs).
     """
     setting = os.environ.get("FERRY_CPU_TILED_LINEAR", "auto").strip().lower()
     if dtype != torch.bfloat16 or setting in ("0", "false", "no", "off"):

@@ -338,9 +338,9 @@ def test_tiled_kernel_takes_every_product_without_amx(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize("setting", ["small", "amx"])
-def test_tiled_kernel_takes_eight_rows_at_most_beside_onednn(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
-    """With AMX (oneDNN's tile kernels) or FERRY_CPU_TILED_LINEAR=small, up to 8 rows go to the
-    tiled kernel and more to oneDNN, which keeps its copy; with 0, nothing goes to it."""
+def test_tiled_kernel_takes_six_rows_at_most_beside_onednn(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    """With AMX (oneDNN's tile kernels) or FERRY_CPU_TILED_LINEAR=small, up to 6 rows go to the
+    tiled kernel and more (7 here) to oneDNN, which keeps its copy; with 0, nothing goes to it."""
     k = _tiled_kernels()
     if not _bf16_packing_exact_here():
         pytest.skip("bfloat16 on AVX2: nothing is packed")
@@ -354,15 +354,15 @@ def test_tiled_kernel_takes_eight_rows_at_most_beside_onednn(monkeypatch: pytest
     plain = copy.deepcopy(model)
     assert pack_linears(model, torch.bfloat16, CPU) == 2
     first = model[0]
-    assert first.tiles is not None and first.packed is not None and first.tiled_rows == 8
+    assert first.tiles is not None and first.packed is not None and first.tiled_rows == 6
     calls = []
     real = k.tiled_linear
     monkeypatch.setattr(first, "_tiled", lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
-    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
     with torch.no_grad():
-        small = first(torch.randn(1, 8, 64, generator=gen).to(torch.bfloat16))
+        small = first(torch.randn(1, 6, 64, generator=gen).to(torch.bfloat16))
         big = first(x)
-    assert calls == [(1, 8, 64)] and small.shape == (1, 8, 48)
+    assert calls == [(1, 6, 64)] and small.shape == (1, 6, 48)
     assert torch.equal(big, F.linear(x, plain[0].weight, plain[0].bias))
     monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "0")
     off = copy.deepcopy(plain)
