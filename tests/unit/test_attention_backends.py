@@ -10,6 +10,8 @@ over each request's whole context, computed here without any paging.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -73,6 +75,20 @@ def _cpu_kernels(prompts: bool = False) -> Any:
     if prompts and not kernel.prefill_attention_available():
         pytest.skip("built without AVX-512 or AVX2")
     return kernel
+
+
+@contextlib.contextmanager
+def _prefill_amx(kernel: Any, on: bool) -> Iterator[None]:
+    """The bfloat16 prompt kernel with its AMX tile products on or off for the block (a skip when
+    asked for where this build or CPU has none); on again after, as the backend runs it."""
+    used = kernel.prefill_amx(1 if on else 0)
+    try:
+        if on and not used:
+            pytest.skip("no AMX here (amx_bf16 in /proc/cpuinfo and a build for it)")
+        assert not used or on
+        yield
+    finally:
+        kernel.prefill_amx(1)
 
 
 def _dense(case: list[tuple[int, int]], query: torch.Tensor, contexts: list, scale: float) -> torch.Tensor:
@@ -242,16 +258,18 @@ def test_write_kv_rounds_to_float8_as_torch_does(src: torch.dtype) -> None:
         kernel.write_kv(key.double(), value.double(), k_cache, v_cache, slots)
 
 
-@pytest.mark.parametrize("dtype,bf16_dot", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
-                                            (torch.float32, True)])
+@pytest.mark.parametrize("dtype,bf16_dot,amx", [(torch.bfloat16, True, False), (torch.bfloat16, True, True),
+                                                (torch.bfloat16, False, False), (torch.float16, True, False),
+                                                (torch.float32, True, False)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4), (14, 2)])
-def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: bool, head_dim: int,
+def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: bool, amx: bool, head_dim: int,
                                                  heads: tuple[int, int]) -> None:
     """cpu_paged's fresh-chunk kernel: several prompts (tile and key-block edges: 1, 15-17, 32-33, 200
     tokens; 530 and 1030 past the bfloat16 kernel's 512-key softmax passes, a query tile across
     their edge) packed behind two decode rows, q/k/v as strided views of one product, 2 threads;
-    bfloat16 through AVX512-BF16 dot products (where the CPU has them) and through float32 FMAs."""
+    bfloat16 through AVX512-BF16 dot products (where the CPU has them), through AMX tile products
+    (where it has those; 16-row blocks over 9-56 rows an item) and through float32 FMAs."""
     kernel = _cpu_kernels(prompts=True)
     num_heads, kv_heads = heads
     lens = [17, 1, 200, 33, 16, 15, 32, 530, 1030]
@@ -267,7 +285,8 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: b
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        kernel.prefill_attention(q, k, v, out, spans, head_dim**-0.5, bf16_dot)
+        with _prefill_amx(kernel, amx):
+            kernel.prefill_attention(q, k, v, out, spans, head_dim**-0.5, bf16_dot)
     finally:
         torch.set_num_threads(threads)
     assert torch.all(out[:2] == 7.0)  # rows outside the spans are left alone
@@ -304,16 +323,17 @@ def test_write_kv_kernel_stores_rows_like_index_copy(dtype: torch.dtype) -> None
         kernel.write_kv(key.to(dtype), value.to(dtype), caches[0], caches[1], slots)
 
 
-@pytest.mark.parametrize("dtype,bf16_dot,fp8", [(torch.bfloat16, True, False), (torch.bfloat16, False, False),
-                                                (torch.float16, True, False), (torch.float32, True, False),
-                                                (torch.bfloat16, True, True), (torch.bfloat16, False, True),
-                                                (torch.float16, True, True), (torch.float32, True, True)])
+@pytest.mark.parametrize("dtype,bf16_dot,fp8,amx", [
+    (torch.bfloat16, True, False, False), (torch.bfloat16, True, False, True), (torch.bfloat16, False, False, False),
+    (torch.float16, True, False, False), (torch.float32, True, False, False), (torch.bfloat16, True, True, False),
+    (torch.bfloat16, True, True, True), (torch.bfloat16, False, True, False), (torch.float16, True, True, False),
+    (torch.float32, True, True, False)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 1), (4, 4)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torch.dtype, bf16_dot: bool, fp8: bool,
-                                                                      head_dim: int, heads: tuple[int, int],
-                                                                      block_size: int) -> None:
+                                                                      amx: bool, head_dim: int,
+                                                                      heads: tuple[int, int], block_size: int) -> None:
     """cpu_paged's kernels for chunks with a cached prefix: queries at positions prefix.. attend
     to every key before them, all read from the paged cache through shuffled block tables.
     Prefixes and chunk lengths on and off the kernels' 16-query and 32/16-key tiles and the
@@ -349,8 +369,9 @@ def test_paged_prefill_kernel_matches_attention_over_a_cached_prefix(dtype: torc
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        kernel.prefill_attention_paged(q, out, k_cache, v_cache, torch.tensor(spans, dtype=torch.int64), tables,
-                                       head_dim**-0.5, bf16_dot)
+        with _prefill_amx(kernel, amx):
+            kernel.prefill_attention_paged(q, out, k_cache, v_cache, torch.tensor(spans, dtype=torch.int64), tables,
+                                           head_dim**-0.5, bf16_dot)
     finally:
         torch.set_num_threads(threads)
     assert torch.all(out[:2] == 7.0)

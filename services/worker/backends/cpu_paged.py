@@ -53,7 +53,7 @@ log = logging.getLogger("ferry.worker.backends")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp",
                                    "tiled_linear.cpp", "decode_layers.cpp"))  # + vec512.h, vec256.h, work_split.h
-FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged",
+FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged", "prefill_amx",
              "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa",
              "tiled_linear_available", "tiled_pack", "tiled_linear", "tiled_silu_linear", "tiled_prefetch", "work_stealing",
