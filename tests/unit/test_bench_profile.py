@@ -47,13 +47,16 @@ def _wide_llm(tmp_path: Path, **shape: int) -> LLM:
     return LLM(model=str(folder), dtype="bfloat16", kv_cache_memory=1 << 24, num_threads=1)
 
 
-def test_the_gated_products_count_as_linear(tmp_path: Path) -> None:
+def test_the_gated_products_count_as_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 on the tiled kernel: the gate/up product with its activation fused in is one
     compiled op called from the MLP, not a leaf layer; it is linear work, not "other". With
     a wide MLP it takes more time than every leaf product together, so the linear part must
-    exceed it."""
+    exceed it. (The CPU taken as one without AMX: with AMX the prompts' products, and 8-row
+    decode steps', would stay on oneDNN and the gated kernel would never run.)"""
+    import services.worker.backends.cpu_paged as cpu_paged
     from services.worker.fused_ops import FusedSiluMLP
 
+    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name, real=cpu_paged.cpu_flag: name != "amx_bf16" and real(name))
     llm = _wide_llm(tmp_path, hidden_size=256, num_hidden_layers=1, num_attention_heads=4)
     runner = llm.runner
     mlps = [m for m in runner.model.modules() if isinstance(m, FusedSiluMLP)]
