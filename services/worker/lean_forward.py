@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,7 +71,10 @@ class DecodeLayerArgs:
     """What ``decode_layers`` takes that is fixed for the model: every layer's tensors in its
     order (input norm, post-attention norm, q/k/v tiles and bias, o_proj's, gate/up's,
     down's), the norms' epsilons (the final norm's last), the attention scales, the head
-    shapes, and the most rows every projection's tiled kernel takes."""
+    shapes, and the most rows every projection's tiled kernel takes; where oneDNN keeps its
+    packed copies beside the tiles (AMX, or ``FERRY_CPU_TILED_LINEAR=small``), those and
+    their biases per layer (q/k/v, o_proj, gate/up, down; then the four biases), which a
+    step of more rows takes as ``PackedLinear`` would; else empty."""
 
     weights: list[torch.Tensor]
     eps: list[float]
@@ -80,6 +83,7 @@ class DecodeLayerArgs:
     kv_heads: int
     head_dim: int
     rows: int
+    packed: list[torch.Tensor] = field(default_factory=list)
 
 
 class LeanDecoder:
@@ -144,13 +148,13 @@ class LeanDecoder:
         tokens = x.shape[1]
         one = self.decode_args
         meta, backend = step.metadata, step.backend
-        if (one is not None and tokens <= one.rows and isinstance(backend, CpuPagedBackend)
+        if (one is not None and (tokens <= one.rows or one.packed) and isinstance(backend, CpuPagedBackend)
                 and isinstance(meta, CpuPagedMetadata) and meta.num_decodes == tokens and meta.fresh_spans is None
                 and meta.prefix_spans is None and not meta.chunks.prefills):  # decodes only, no prompt chunk
             out = self.kernels.decode_layers(
                 x[0], cos, sin, one.weights, [c for pair in step.kv_caches for c in pair], one.eps, one.scales,
                 self.norm.weight, meta.chunks.slot_mapping, meta.block_table, meta.seq_lens, one.heads, one.kv_heads,
-                one.head_dim, backend.bf16_dot, self.part_times)
+                one.head_dim, backend.bf16_dot, one.packed, one.rows, self.part_times)
             return out.unsqueeze(0)
         rotary, add_norm = self.kernels.rotary, self.kernels.add_rms_norm
         # Each residual add is fused with the norm that follows it (x + delta, then its
@@ -213,6 +217,7 @@ def _decode_layer_args(body: Any) -> DecodeLayerArgs | None:
     eps: list[float] = []
     scales: list[float] = []
     rows = 1 << 62
+    packed: list[torch.Tensor] | None = []
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms: tuple[Any, Any] = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -224,10 +229,16 @@ def _decode_layer_args(body: Any) -> DecodeLayerArgs | None:
             return None
         rows = min([rows] + [m.tiled_rows for m in products])
         weights += [norms[0].weight, norms[1].weight] + [t for m in products for t in (m.tiles, m._bias32)]
+        if packed is not None and all(m.packed is not None for m in products):
+            packed += [m.packed for m in products]
+            packed += [torch.empty(0) if m.bias is None else m.bias.detach() for m in products]
+        else:
+            packed = None
         eps += [norms[0].variance_epsilon, norms[1].variance_epsilon]
         scales.append(float(attn.scaling))
     eps.append(body.norm.variance_epsilon)
     attn = body.layers[0].self_attn
     sizes, head_dim = attn.q_proj.sizes, int(attn.head_dim)
-    return DecodeLayerArgs(weights, eps, scales, sizes[0] // head_dim, sizes[1] // head_dim, head_dim, rows)
+    return DecodeLayerArgs(weights, eps, scales, sizes[0] // head_dim, sizes[1] // head_dim, head_dim, rows,
+                           packed or [])
 

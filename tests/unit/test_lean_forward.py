@@ -19,11 +19,11 @@ import torch
 
 from services.worker import fused_ops
 from services.worker.attention import ATTN_IMPLEMENTATION, StepAttention, register_paged_attention
-from services.worker.backends import select_backend
+from services.worker.backends import cpu_paged, select_backend
 from services.worker.backends.build import build_paged_batch
 from services.worker.kv_cache import KVCache
 from services.worker.lean_forward import DECODE_LAYER_PARTS, LeanDecoder
-from services.worker.packed_linear import fuse_projections, pack_linears
+from services.worker.packed_linear import PackedLinear, fuse_projections, pack_linears
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -133,12 +133,18 @@ class _Counting:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("kv_dtype", [BF16, torch.float8_e4m3fn])
-def test_decode_steps_in_one_call_equal_the_layer_loop(kind: str, kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_steps_in_one_call_equal_the_layer_loop(monkeypatch: pytest.MonkeyPatch, kind: str,
+                                                        kv_dtype: torch.dtype, split: bool) -> None:
     """bfloat16 on the tiled kernels: a step of decodes only runs every layer in one C++ call,
     with the same hidden states and the same keys and values written as the Python loop, for a
     bfloat16 and a float8 cache, grouped-query heads, q/k/v biases (Qwen2), contexts across
-    block boundaries and 1-5 requests; steps with a prompt chunk keep the loop. Its part clocks
-    (on here, for the profilers) change nothing and fill every part, within the call's time."""
+    block boundaries and 1-5 requests; steps with a prompt chunk keep the loop. ``split``: the
+    tiled kernels take up to 2 rows and oneDNN's packed copies the rest (as with AMX), so the
+    3-5-request steps take oneDNN's products inside the call, as the loop's layers would (the
+    tiles zeroed, so a product taken from the wrong copy shows). Its
+    part clocks (on here, for the profilers) change nothing and fill every part, within the
+    call's time."""
     ops = fused_ops.kernels()
     if ops is None or not ops.tiled_linear_available() or not torch.backends.mkldnn.is_available():
         pytest.skip("no tiled bfloat16 kernel on this CPU: no decode_layers path")
@@ -148,10 +154,18 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(kind: str, kv_dtype: torc
         for p in body.parameters():
             if p.dim() == 1 and p.abs().sum() == 0:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "small" if split else "auto")
     _fuse(body, BF16)
+    if split:  # the tiles zeroed: a product of 3-5 rows taken there instead of oneDNN's cannot pass
+        for m in body.modules():
+            if isinstance(m, PackedLinear) and m.tiles is not None:
+                m.tiled_rows = 2
+                m.tiles.zero_()
     one_call = LeanDecoder.build(body, _Counting(ops))
     loop = LeanDecoder.build(body, ops)
     assert one_call is not None and loop is not None and one_call.decode_args is not None
+    assert one_call.decode_args.rows == (2 if split else 1 << 62) or not split and cpu_paged.cpu_flag("amx_bf16")
+    assert len(one_call.decode_args.packed) == (8 * 3 if split or cpu_paged.cpu_flag("amx_bf16") else 0)
     loop.decode_args = None
     one_call.part_times = torch.zeros(2, len(DECODE_LAYER_PARTS), dtype=torch.float64)
     backend = select_backend("cpu_paged", CPU)

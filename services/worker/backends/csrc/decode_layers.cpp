@@ -14,12 +14,19 @@
 // norm's; slots [T] int64, block_table [T, max_blocks] int32, seq_lens [T] int32 as
 // write_kv and paged_decode take them. Returns the final norm's output, [T, hidden].
 //
+// packed: empty, or per layer 8 tensors, oneDNN's packed q/k/v, o_proj, gate/up and down weights
+// then their biases in the model's dtype (empty tensors where none), where oneDNN keeps its copy
+// beside the tiles (a CPU with AMX, or FERRY_CPU_TILED_LINEAR=small): a step of more than
+// `tiled_rows` tokens takes its products there, as PackedLinear does (mkldnn::_linear_pointwise;
+// the gate/up product then silu_and_mul, as FusedSiluMLP), the rest of the step unchanged.
+//
 // times (optional, float64 [2, 4], added to): seconds in the norms, the products, the rotary
 // embedding and the attention (cache write, decode kernel and their dtype conversions), wall
 // clock in row 0 and the process's CPU time in row 1, for the profilers (bench_profile.py,
 // bench_offline --attention-share), which otherwise see this call as one opaque op.
 
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <time.h>
 #include <optional>
 #include <vector>
@@ -32,6 +39,17 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
                            torch::Tensor seq_lens, double scale, bool bf16_dot);
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
 torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
+torch::Tensor silu_and_mul(torch::Tensor x);
+
+// oneDNN's product over its packed weight, the op PackedLinear.forward calls (the same bits).
+static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, bias.numel() ? c10::IValue(bias) : c10::IValue(), c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+constexpr int64_t DECODE_LAYER_PACKED = 8;
 
 constexpr int64_t DECODE_LAYER_TENSORS = 10;
 
@@ -68,7 +86,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
                             std::vector<torch::Tensor> caches, std::vector<double> eps, std::vector<double> scales,
                             torch::Tensor final_norm, torch::Tensor slots, torch::Tensor block_table,
                             torch::Tensor seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, bool bf16_dot,
-                            std::optional<torch::Tensor> times) {
+                            std::vector<torch::Tensor> packed, int64_t tiled_rows, std::optional<torch::Tensor> times) {
   const int64_t layers = static_cast<int64_t>(scales.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == DECODE_LAYER_TENSORS * layers &&
               static_cast<int64_t>(caches.size()) == 2 * layers && static_cast<int64_t>(eps.size()) == 2 * layers + 1,
@@ -77,6 +95,10 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   const int64_t T = x.size(0), qw = heads * head_dim, kw = kv_heads * head_dim;
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == T && block_table.dim() == 2 && block_table.size(0) == T,
               "every token a decode: one block-table row and one length per token");
+  TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == DECODE_LAYER_PACKED * layers,
+              "packed: none, or per layer 4 oneDNN weights and 4 biases");
+  const bool on_onednn = T > tiled_rows;
+  TORCH_CHECK(!on_onednn || !packed.empty(), "more tokens than the tiled kernels take and no oneDNN weights");
   if (times.has_value())
     TORCH_CHECK(times->scalar_type() == at::kDouble && times->is_contiguous() &&
                 times->numel() == 2 * PartClock::PARTS, "times: float64 [2, 4], contiguous");
@@ -87,13 +109,14 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   torch::Tensor delta;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + DECODE_LAYER_TENSORS * l;
+    const torch::Tensor* pw = on_onednn ? packed.data() + DECODE_LAYER_PACKED * l : nullptr;  // weights, then biases
     const torch::Tensor &k_cache = caches[2 * l], &v_cache = caches[2 * l + 1];
     if (l > 0) {
       auto sum_norm = add_rms_norm(x, delta, w[0], eps[2 * l]);
       x = sum_norm[0], h = sum_norm[1];
       clock.charge(PartClock::NORM);
     }
-    const torch::Tensor qkv = tiled_linear(h, w[2], w[3]);  // [T, qw + 2 kw]
+    const torch::Tensor qkv = pw ? onednn_linear(h, pw[0], pw[4]) : tiled_linear(h, w[2], w[3]);  // [T, qw + 2 kw]
     TORCH_CHECK(qkv.size(1) == qw + 2 * kw, "q/k/v widths");
     clock.charge(PartClock::LINEAR);
     auto qk = rotary(qkv.narrow(1, 0, qw).view({T, heads, head_dim}), qkv.narrow(1, qw, kw).view({T, kv_heads, head_dim}),
@@ -107,12 +130,13 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const torch::Tensor o = paged_decode(q, k_cache, v_cache, block_table, seq_lens, scales[l], bf16_dot)
                                 .to(x.scalar_type());
     clock.charge(PartClock::ATTENTION);
-    const torch::Tensor projected = tiled_linear(o.reshape({T, qw}), w[4], w[5]);
+    const torch::Tensor projected = pw ? onednn_linear(o.reshape({T, qw}), pw[1], pw[5]) : tiled_linear(o.reshape({T, qw}), w[4], w[5]);
     clock.charge(PartClock::LINEAR);
     auto sum_norm = add_rms_norm(x, projected, w[1], eps[2 * l + 1]);
     x = sum_norm[0], h = sum_norm[1];
     clock.charge(PartClock::NORM);
-    delta = tiled_linear(tiled_silu_linear(h, w[6], w[7]), w[8], w[9]);
+    delta = pw ? onednn_linear(silu_and_mul(onednn_linear(h, pw[2], pw[6])), pw[3], pw[7])
+               : tiled_linear(tiled_silu_linear(h, w[6], w[7]), w[8], w[9]);
     clock.charge(PartClock::LINEAR);
   }
   torch::Tensor out = add_rms_norm(x, delta, final_norm, eps[2 * layers])[1];
