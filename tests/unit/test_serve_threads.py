@@ -8,7 +8,7 @@ from ferry_cli.serve import Stack, build_parser
 
 
 def stack(monkeypatch: pytest.MonkeyPatch, *flags: str, **env: str) -> Stack:
-    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GLIBC_TUNABLES"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -29,6 +29,13 @@ def test_workers_get_the_cores_and_sleep_at_barriers(monkeypatch: pytest.MonkeyP
             assert light.env[key] == "1", (light.name, key)
         assert light.env["TOKENIZERS_PARALLELISM"] == "false"
         assert "OMP_WAIT_POLICY" not in light.env
+        assert "GLIBC_TUNABLES" not in light.env  # huge pages for the workers' memory only
+
+
+def test_workers_memory_on_huge_pages_unless_the_operator_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert all(w.env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" for w in stack(monkeypatch).by_role("worker"))
+    s = stack(monkeypatch, GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
+    assert all(w.env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0" for w in s.by_role("worker"))
 
 
 def test_an_operators_openmp_policy_wins(monkeypatch: pytest.MonkeyPatch) -> None:
