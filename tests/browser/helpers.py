@@ -109,16 +109,21 @@ def check_page_tracks_metrics(page: Any, base_url: str, duration_s: float,
     stop.set()
     sampler.join(timeout=10)
     compared, shown = 0, set()
+    misses: list[str] = []
     for t, running, waiting in readings:
         if running is None or waiting is None:
             continue
         near = [(r, w) for (t2, r, w) in samples if t - refresh_s - slack_s <= t2 <= t + 0.2]
-        # Both numbers come from one EngineStats, so the pair must match one scrape.
-        assert (running, waiting) in near, (
-            f"page shows running={running} waiting={waiting}; /metrics had {sorted(set(near))} "
-            f"within {refresh_s + slack_s}s before")
+        # Both numbers come from one EngineStats, so the pair must match one scrape; but a
+        # state shorter than the sampler's own round trip (one scrape on a loaded 2-core
+        # machine, while a fast engine moves its queues every few tens of ms) can reach the
+        # page and never the sampler: one reading in five may go unmatched, no more.
+        if (running, waiting) not in near:
+            misses.append(f"page shows running={running} waiting={waiting}; /metrics had {sorted(set(near))} "
+                          f"within {refresh_s + slack_s}s before")
         compared += 1
         shown.add((running, waiting))
+    assert len(misses) <= compared // 5, "\n".join(misses)
     return compared, len(shown)
 
 
