@@ -24,9 +24,14 @@ static inline __m512 load16(const c10::Float8_e4m3fn* p) {
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
-// exp(x) for x <= 0 (scores minus their max); relative error ~1e-7.
+// exp(x) for x <= 0 (scores minus their max); relative error ~1e-7. Zero below -87, as
+// vec256.h's exp8: 2^n past float32's normal range (the old clamp at -100 made e^-100, a
+// subnormal) costs a microcode assist on Intel cores per vector holding one, and every masked
+// or padded score (-inf) made one. The decode kernel's softmax took 4x as long on a Xeon
+// (docs/benchmarks.md, "Subnormal exponentials"); only results below 1.7e-38 change.
 static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);  // NaN: 0
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // |f| <= ln2/2
@@ -38,7 +43,7 @@ static inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(live, p, n);
 }
 
 // Sixteen floats to bfloat16, rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0).
