@@ -154,7 +154,7 @@ class LeanDecoder:
             out = self.kernels.decode_layers(
                 x[0], cos, sin, one.weights, [c for pair in step.kv_caches for c in pair], one.eps, one.scales,
                 self.norm.weight, meta.chunks.slot_mapping, meta.block_table, meta.seq_lens, one.heads, one.kv_heads,
-                one.head_dim, backend.bf16_dot, one.packed, one.rows, self.part_times)
+                one.head_dim, backend.decode_dot(step.kv_caches[0][0].dtype), one.packed, one.rows, self.part_times)
             return out.unsqueeze(0)
         rotary, add_norm = self.kernels.rotary, self.kernels.add_rms_norm
         # Each residual add is fused with the norm that follows it (x + delta, then its

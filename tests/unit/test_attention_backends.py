@@ -441,6 +441,29 @@ def test_decode_kernel_matches_attention(dtype: torch.dtype, bf16_dot: bool, fp8
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * rel)
 
 
+@pytest.mark.parametrize("setting,amx,bf16_cache,fp8_cache", [
+    (None, True, False, True), ("auto", True, False, True), (None, False, True, True),
+    ("1", True, True, True), ("0", False, False, False), ("0", True, False, False)])
+def test_decode_dot_products_by_cpu_and_cache(monkeypatch: pytest.MonkeyPatch, setting: str | None, amx: bool,
+                                              bf16_cache: bool, fp8_cache: bool) -> None:
+    """Decodes over a bfloat16 cache take float32 FMAs on a CPU with AMX (where vdpbf16ps runs
+    at half the FMA's rate) and dot products elsewhere; a float8 cache keeps its dot products;
+    FERRY_CPU_BF16_DOT=1 forces them, 0 turns them off everywhere (prompts too)."""
+    from services.worker.backends import cpu_paged
+
+    if setting is None:
+        monkeypatch.delenv("FERRY_CPU_BF16_DOT", raising=False)
+    else:
+        monkeypatch.setenv("FERRY_CPU_BF16_DOT", setting)
+    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name: amx and name == "amx_bf16")
+    backend = object.__new__(cpu_paged.CpuPagedBackend)  # the rule only, no kernels built
+    backend.bf16_dot = cpu_paged.bf16_dot_enabled()
+    backend.bf16_decode_fma = cpu_paged.bf16_decode_through_fma()
+    assert backend.bf16_dot == (setting != "0")
+    assert backend.decode_dot(torch.bfloat16) is bf16_cache
+    assert backend.decode_dot(torch.float8_e4m3fn) is fp8_cache
+
+
 @pytest.mark.parametrize("backend_name", [b for b in available_backends("cpu") if b == "cpu_paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])

@@ -135,7 +135,26 @@ def prefill_kernel_enabled() -> bool:
 def bf16_dot_enabled() -> bool:
     """``FERRY_CPU_BF16_DOT=0``: bfloat16 attention (prompts and decodes) through float32 FMAs,
     not AVX512-BF16 dot products."""
-    return os.environ.get("FERRY_CPU_BF16_DOT", "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get("FERRY_CPU_BF16_DOT", "auto").strip().lower() not in ("0", "false", "no", "off")
+
+
+def bf16_decode_through_fma() -> bool:
+    """Whether decodes over a bfloat16 cache take float32 FMAs though dot products are allowed.
+
+    On the Xeons with AMX (``amx_bf16``) ``vdpbf16ps`` issues one per two cycles where FMAs
+    issue two per cycle (16 multiply-adds a cycle against 32), and the decode kernel, which
+    widens each bfloat16 pair in one instruction per element, took 0.87-0.91x the time of its
+    dot products there (docs/benchmarks.md, "Subnormal exponentials and FMA decodes"). The
+    Zen 4 issues ``vdpbf16ps`` at the FMA's rate and keeps them. A float8 cache keeps its dot
+    products everywhere (its FMA path converts each byte: 1.7x their time on the Xeon).
+    ``FERRY_CPU_BF16_DOT=1`` forces dot products, ``0`` FMAs for everything.
+    """
+    setting = os.environ.get("FERRY_CPU_BF16_DOT", "auto").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return True
+    if setting != "auto":
+        return False
+    return cpu_flag("amx_bf16")
 
 
 class CpuPagedBackend(ReferenceBackend):
@@ -147,6 +166,11 @@ class CpuPagedBackend(ReferenceBackend):
         self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
         self.float32_prefill = fast_cpu_dtype(torch.float32)  # FERRY_CPU_FLOAT32_EXACT=1: float32 prompts to SDPA
         self.bf16_dot = bf16_dot_enabled()
+        self.bf16_decode_fma = bf16_decode_through_fma()
+
+    def decode_dot(self, cache_dtype: torch.dtype) -> bool:
+        """The decode kernel's ``bf16_dot`` for a cache of this dtype (bf16_decode_through_fma)."""
+        return self.bf16_dot and not (self.bf16_decode_fma and cache_dtype == torch.bfloat16)
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
         chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
@@ -197,7 +221,7 @@ class CpuPagedBackend(ReferenceBackend):
         # a float8 cache is read with the query in the model's dtype
         q = query[:nd].contiguous() if fp8 else query[:nd].to(k_cache.dtype).contiguous()
         decoded = self.kernel.paged_decode(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, scale,
-                                           self.bf16_dot)
+                                           self.decode_dot(k_cache.dtype))
         if nd == query.shape[0]:
             return decoded.to(query.dtype)
         out = query.new_empty(query.shape)

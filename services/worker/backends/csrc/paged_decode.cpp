@@ -259,6 +259,13 @@ static inline void decode_one(const scalar_t* q, const scalar_t* kc, const scala
   }
 }
 
+// A vector of sixteen bfloat16 pairs widened to float32: the even elements (each pair's low
+// half shifted up), the odd ones (the high half, the low masked off). Exact, one instruction each.
+static inline __m512 bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+static inline __m512 bf16_odd(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // Eight vectors, each two sums of eight lanes (its 256-bit halves), to one: lane t holds
 // token t's score when v[p] holds tokens (p, p + 4) for p < 4 and (p + 4, p + 8) for p >= 4
 // (low half, high half). hsum16's first three stages: 21 shuffles and adds.
@@ -384,6 +391,7 @@ struct HeadScratch {
   std::vector<int64_t> off, next;  // each context token's row in the cache (element offset): this item's, the next's
   std::vector<float> scores;
   std::vector<uint32_t> qpairs;  // float8: the query's pair-layout operands (decode_group)
+  std::vector<float> qsplit;      // bfloat16 through FMAs: the query's even and odd elements (decode_group)
   int64_t carried = 0;  // this item's key rows the last item's RowStream already requested
 };
 
@@ -446,6 +454,28 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
     qpairs = qp;
 #endif
   }
+  // bfloat16 through FMAs (SPLIT): a bfloat16 pair widens to float32 in one instruction per
+  // element (the even element shifted up, the odd one masked), so keys and values are read as
+  // their even and odd elements. Each query head's sixteen-element steps as those two halves,
+  // each repeated in both 256-bit halves for the pair layout of the keys: [head][step][even,
+  // odd][16], made once per item.
+  constexpr bool SPLIT = !BF16DOT && std::is_same_v<cache_t, c10::BFloat16> && NV % 2 == 0;
+  [[maybe_unused]] const float* qsplit = nullptr;
+  if constexpr (SPLIT) {
+    s.qsplit.resize(nkv * G * NV * 32);
+    float* qs = s.qsplit.data();
+    for (int64_t h = 0; h < nkv * G; ++h)
+      for (int64_t i = 0; i < NV / 2; ++i) {
+        const __m512i x = _mm512_loadu_si512(q + h * HD + i * 32);
+        const __m512 e = bf16_even(x), o = bf16_odd(x);
+        float* d = qs + (h * NV + 2 * i) * 32;
+        _mm512_storeu_ps(d, _mm512_shuffle_f32x4(e, e, 0x44));
+        _mm512_storeu_ps(d + 16, _mm512_shuffle_f32x4(o, o, 0x44));
+        _mm512_storeu_ps(d + 32, _mm512_shuffle_f32x4(e, e, 0xEE));
+        _mm512_storeu_ps(d + 48, _mm512_shuffle_f32x4(o, o, 0xEE));
+      }
+    qsplit = qs;
+  }
   for (int64_t c0 = 0; c0 < len; c0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - c0);
     const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
@@ -484,6 +514,39 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
         }
         continue;
 #endif
+      }
+      if constexpr (SPLIT) {
+        // Two tokens per vector (rows pair_row_a(p) and pair_row_b(p), sixteen elements of
+        // each in the two 256-bit halves), widened once for the group's G query heads; the
+        // eight pair sums fold into sixteen scores in hsum8x2's 21 operations. On a Xeon
+        // (AMX, AVX512-BF16) vdpbf16ps issues one per two cycles where FMAs issue two per
+        // cycle: this pass took half the time of the dot products' (docs/benchmarks.md).
+        __m512 acc[G][8];
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t p = 0; p < 8; ++p) acc[g][p] = _mm512_setzero_ps();
+        const float* qk2 = qsplit + k * G * NV * 32;
+#pragma GCC unroll 8
+        for (int64_t p = 0; p < 8; ++p) {
+          const cache_t* ra = kc + off[c0 + pair_row_a(p)] + k * HD;
+          const cache_t* rb = kc + off[c0 + pair_row_b(p)] + k * HD;
+#pragma GCC unroll 16
+          for (int64_t st = 0; st < NV; ++st) {
+            const __m512i x = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 16 * st))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 16 * st)), 1);
+            const __m512 e = bf16_even(x), o = bf16_odd(x);
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = qk2 + (g * NV + st) * 32;
+              acc[g][p] = _mm512_fmadd_ps(_mm512_loadu_ps(qg), e, acc[g][p]);
+              acc[g][p] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), o, acc[g][p]);
+            }
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 r = _mm512_mask_blend_ps(valid, ninf, _mm512_mul_ps(hsum8x2(acc[g]), sc));
+          _mm512_storeu_ps(s.scores.data() + (k * G + g) * padded + c0, r);
+        }
+        continue;
       }
       for (int64_t g = 0; g < G; ++g) {
         [[maybe_unused]] __m512i qb[NV / 2 > 0 ? NV / 2 : 1];
@@ -583,6 +646,32 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
           store_out(ok + g * HD + i * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][i], second, hi[g][i]), ob));
         }
 #endif
+    } else if constexpr (SPLIT) {
+      // acc[g][2i] holds the even elements of dimensions [32i, 32i + 32), acc[g][2i + 1] the odd
+      __m512 acc[G][NV];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+      const float* sk = s.scores.data() + k * G * padded;
+      for (int64_t t = 0; t < len; ++t) {
+        if (IN_ORDER && k == 0 && (t & 7) == 0) rs.upto(len + t + 8 + ROWS_AHEAD);  // as above
+        const cache_t* vr = vc + off[t] + k * HD;
+        for (int64_t i = 0; i < NV / 2; ++i) {
+          const __m512i x = _mm512_loadu_si512(vr + i * 32);
+          const __m512 e = bf16_even(x), o = bf16_odd(x);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(sk[g * padded + t]);
+            acc[g][2 * i] = _mm512_fmadd_ps(p, e, acc[g][2 * i]);
+            acc[g][2 * i + 1] = _mm512_fmadd_ps(p, o, acc[g][2 * i + 1]);
+          }
+        }
+      }
+      const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < NV / 2; ++i) {
+          store_out(ok + g * HD + i * 32, _mm512_permutex2var_ps(acc[g][2 * i], first, acc[g][2 * i + 1]));
+          store_out(ok + g * HD + i * 32 + 16, _mm512_permutex2var_ps(acc[g][2 * i], second, acc[g][2 * i + 1]));
+        }
     } else {
       __m512 acc[G][NV];
       for (int64_t g = 0; g < G; ++g)
