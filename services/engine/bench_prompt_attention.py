@@ -36,7 +36,7 @@ from typing import Any
 from services.engine.bench_io import header, write_json
 
 KERNEL = "prefill_attention.cpp"
-HEADERS = ("vec512.h", "vec256.h", "work_split.h")
+HEADERS = ("vec512.h", "vec256.h", "work_split.h", "amx.h")
 
 
 def _csrc() -> Path:

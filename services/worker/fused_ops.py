@@ -115,15 +115,21 @@ class FusedSiluMLP(nn.Module):
         self.intermediate = intermediate
         self._kernels = kernels
         self._gated: Callable[..., torch.Tensor] | None = None
+        self._amx_gated: Callable[..., torch.Tensor] | None = None  # past tiled_rows, up to gate_up.amx_rows
         if (isinstance(gate_up, PackedLinear) and gate_up.tiles is not None and gate_up.out_features == 2 * intermediate
                 and intermediate % 16 == 0):
             self._gated = getattr(kernels, "tiled_silu_linear", None)
+            if gate_up.amx_rows:
+                self._amx_gated = getattr(kernels, "amx_silu_linear", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up
-        if (self._gated is not None and isinstance(gu, PackedLinear) and gu.tiles is not None
-                and x.numel() <= gu.tiled_rows * gu.in_features):
-            return self.down_proj(self._gated(x if x.is_contiguous() else x.contiguous(), gu.tiles, gu._bias32))
+        if self._gated is not None and isinstance(gu, PackedLinear) and gu.tiles is not None:
+            n = x.numel()
+            if n <= gu.tiled_rows * gu.in_features:
+                return self.down_proj(self._gated(x if x.is_contiguous() else x.contiguous(), gu.tiles, gu._bias32))
+            if self._amx_gated is not None and n <= gu.amx_rows * gu.in_features:
+                return self.down_proj(self._amx_gated(x if x.is_contiguous() else x.contiguous(), gu.tiles, gu._bias32))
         return self.down_proj(self._kernels.silu_and_mul(gu(x)))
 
 

@@ -76,11 +76,16 @@ class PackedLinear(nn.Module):
         self.register_buffer("tiles", None, persistent=False)  # the tiled kernel's copy (add_tiled), when on
         self._tiled: Callable[..., torch.Tensor] | None = None
         self.tiled_rows = 0  # inputs of up to this many rows go to the tiled kernel
+        self._amx: Callable[..., torch.Tensor] | None = None
+        self.amx_rows = 0  # past tiled_rows, up to this many rows: AMX tile products over the tiles
         self._bias32 = torch.empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._tiled is not None and x.numel() <= self.tiled_rows * self.in_features:
-            return self._tiled(x if x.is_contiguous() else x.contiguous(), self.tiles, self._bias32)
+        if self._tiled is not None:
+            if x.numel() <= self.tiled_rows * self.in_features:
+                return self._tiled(x if x.is_contiguous() else x.contiguous(), self.tiles, self._bias32)
+            if self._amx is not None and x.numel() <= self.amx_rows * self.in_features:
+                return self._amx(x if x.is_contiguous() else x.contiguous(), self.tiles, self._bias32)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def add_tiled(self, weight: torch.Tensor, kernels: Any, rows: int) -> None:
@@ -90,9 +95,13 @@ class PackedLinear(nn.Module):
         self._bias32 = torch.empty(0) if self.bias is None else self.bias.detach().float().contiguous()
         self._tiled = kernels.tiled_linear
         self.tiled_rows = rows
+        # with AMX, the rows past the tiled kernel's up to amx_linear's bound (a decode step's)
+        # take AMX tile products over the same tiles (csrc/tiled_linear.cpp), oneDNN's the rest
+        amx = amx_rows(kernels) if rows < ALL_ROWS and self.out_features % 32 == 0 and self.in_features % 32 == 0 else 0
+        self._amx, self.amx_rows = (kernels.amx_linear, amx) if amx > rows else (None, 0)
 
     def remove_tiled(self) -> None:
-        self.tiles, self._tiled, self.tiled_rows = None, None, 0
+        self.tiles, self._tiled, self.tiled_rows, self._amx, self.amx_rows = None, None, 0, None, 0
 
     def drop_packed(self) -> None:
         """Free oneDNN's copy once the tiled kernel takes every product."""
@@ -101,7 +110,8 @@ class PackedLinear(nn.Module):
         self.packed = None
 
     def extra_repr(self) -> str:
-        held = "packed" if self.tiles is None else "tiled" if self.packed is None else f"packed, tiled up to {self.tiled_rows} rows"
+        held = ("packed" if self.tiles is None else "tiled" if self.packed is None
+                else f"packed, tiled up to {self.tiled_rows} rows" + (f", AMX up to {self.amx_rows}" if self._amx else ""))
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {held}"
 
 
@@ -279,6 +289,15 @@ def tiled_rows(dtype: torch.dtype) -> int:
     from .backends.cpu_paged import cpu_flag
 
     return SMALL_BATCH_ROWS if cpu_flag("amx_bf16") else ALL_ROWS
+
+
+def amx_rows(kernels: Any) -> int:
+    """The most rows ``amx_linear`` takes here (0: no AMX, or ``FERRY_CPU_AMX_LINEAR=0``, which
+    turns it off in the decode call too, for A/B runs)."""
+    if not hasattr(kernels, "tiled_amx"):
+        return 0
+    off = os.environ.get("FERRY_CPU_AMX_LINEAR", "1").strip().lower() in ("0", "false", "no", "off")
+    return int(kernels.tiled_amx(0 if off else 1))
 
 
 def _tiled_kernels() -> Any | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -133,16 +134,18 @@ class _Counting:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("kv_dtype", [BF16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", [False, "onednn", "amx"])
 def test_decode_steps_in_one_call_equal_the_layer_loop(monkeypatch: pytest.MonkeyPatch, kind: str,
-                                                        kv_dtype: torch.dtype, split: bool) -> None:
+                                                        kv_dtype: torch.dtype, split: bool | str) -> None:
     """bfloat16 on the tiled kernels: a step of decodes only runs every layer in one C++ call,
     with the same hidden states and the same keys and values written as the Python loop, for a
     bfloat16 and a float8 cache, grouped-query heads, q/k/v biases (Qwen2), contexts across
     block boundaries and 1-5 requests; steps with a prompt chunk keep the loop. ``split``: the
     tiled kernels take up to 2 rows and oneDNN's packed copies the rest (as with AMX), so the
     3-5-request steps take oneDNN's products inside the call, as the loop's layers would (the
-    tiles zeroed, so a product taken from the wrong copy shows). Its
+    tiles zeroed, so a product taken from the wrong copy shows; AMX products off). ``amx`` (a
+    CPU with AMX): those steps take AMX tile products over the tiles, in the call as in the
+    loop's layers, with the same bits. Its
     part clocks (on here, for the profilers) change nothing and fill every part, within the
     call's time."""
     ops = fused_ops.kernels()
@@ -154,18 +157,33 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(monkeypatch: pytest.Monke
         for p in body.parameters():
             if p.dim() == 1 and p.abs().sum() == 0:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(5))
+    if split == "amx" and not ops.tiled_amx(-1):
+        pytest.skip("no AMX tile products here")
     monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "small" if split else "auto")
+    monkeypatch.setenv("FERRY_CPU_AMX_LINEAR", "0" if split == "onednn" else "1")
     _fuse(body, BF16)
-    if split:  # the tiles zeroed: a product of 3-5 rows taken there instead of oneDNN's cannot pass
-        for m in body.modules():
-            if isinstance(m, PackedLinear) and m.tiles is not None:
-                m.tiled_rows = 2
+    for m in body.modules():
+        if split and isinstance(m, PackedLinear) and m.tiles is not None:
+            m.tiled_rows = 2
+            if split == "onednn":  # the tiles zeroed: a product of 3-5 rows taken there instead of oneDNN's cannot pass
+                assert m.amx_rows == 0
                 m.tiles.zero_()
+            else:
+                assert m.amx_rows >= 5
     one_call = LeanDecoder.build(body, _Counting(ops))
     loop = LeanDecoder.build(body, ops)
     assert one_call is not None and loop is not None and one_call.decode_args is not None
     assert one_call.decode_args.rows == (2 if split else 1 << 62) or not split and cpu_paged.cpu_flag("amx_bf16")
     assert len(one_call.decode_args.packed) == (8 * 3 if split or cpu_paged.cpu_flag("amx_bf16") else 0)
+    try:
+        _steps_in_one_call_equal_the_loop(one_call, loop, config, kv_dtype)
+    finally:
+        ops.tiled_amx(1)  # FERRY_CPU_AMX_LINEAR=0 turned them off in the process
+
+
+def _steps_in_one_call_equal_the_loop(one_call: LeanDecoder, loop: LeanDecoder, config: Any,
+                                      kv_dtype: torch.dtype) -> None:
+    assert one_call.decode_args is not None
     loop.decode_args = None
     one_call.part_times = torch.zeros(2, len(DECODE_LAYER_PARTS), dtype=torch.float64)
     backend = select_backend("cpu_paged", CPU)

@@ -166,6 +166,54 @@ def test_tiled_kernel_matches_the_float32_product(bias: bool, rows: int, outputs
     assert (got == F.linear(x, w, b)).float().mean() > 0.98
 
 
+def _amx_kernels():  # noqa: ANN202
+    k = _tiled_kernels()
+    if not k.tiled_amx(-1):
+        pytest.skip("no AMX tile products here (CPU or build)")
+    return k
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 31, 32, 33, 64, 65, 130])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 96)])
+def test_amx_products_match_the_float32_product(rows: int, shape: tuple[int, int]) -> None:
+    """AMX tile products over the tiled kernel's tiles (a CPU with AMX): within the tiled
+    kernel's bound of the exact product, rows padded to 32 and 64 alike; a row's result does
+    not depend on the other rows; the gated product equals the product followed by
+    silu_and_mul, bit for bit (the same sums, rounded the same way)."""
+    k = _amx_kernels()
+    in_f, out_f = shape
+    gen = torch.Generator().manual_seed(rows + in_f)
+    w = torch.randn(out_f, in_f, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_f, generator=gen).to(torch.bfloat16).float()
+    x = torch.randn(rows, in_f, generator=gen).to(torch.bfloat16)
+    tiles = k.tiled_pack(w)
+    got = k.amx_linear(x, tiles, b)
+    want = F.linear(x.float(), w.float(), b)
+    magnitude = F.linear(x.float().abs(), w.float().abs(), b.abs())
+    assert got.shape == (rows, out_f) and got.dtype == torch.bfloat16
+    assert torch.all((got.float() - want).abs() <= want.abs() * 2.0**-8 + magnitude * 2.0**-24)
+    assert torch.equal(k.amx_linear(x[rows // 2:].contiguous(), tiles, b), got[rows // 2:])
+    plain, exact = k.amx_linear(x, tiles, torch.empty(0)).float(), F.linear(x.float(), w.float())  # no bias
+    assert torch.all((plain - exact).abs() <= exact.abs() * 2.0**-8 + magnitude * 2.0**-24)
+    gated = k.amx_silu_linear(x, tiles, b)
+    assert gated.shape == (rows, out_f // 2)
+    assert torch.equal(gated, k.silu_and_mul(got))
+
+
+def test_amx_products_off_and_on() -> None:
+    """``tiled_amx(0)`` turns the AMX products off (they refuse to run), ``1`` back on; the
+    bound they report is what PackedLinear and the decode call use."""
+    k = _amx_kernels()
+    x, tiles = torch.ones(3, 64, dtype=torch.bfloat16), k.tiled_pack(torch.ones(32, 64, dtype=torch.bfloat16))
+    try:
+        assert k.tiled_amx(0) == 0 and k.amx_linear_rows() == 0
+        with pytest.raises(RuntimeError, match="no AMX"):
+            k.amx_linear(x, tiles, torch.empty(0))
+    finally:
+        assert k.tiled_amx(1) >= 64
+    assert torch.equal(k.amx_linear(x, tiles, torch.empty(0)), torch.full((3, 32), 64.0, dtype=torch.bfloat16))
+
+
 def test_tiled_kernel_rows_do_not_depend_on_the_batch() -> None:
     """Every output is the same instructions in the same order whatever the row count, so a
     row computed alone, in a block of 8 or beside 200 others gives the same bits."""

@@ -18,7 +18,10 @@
 // then their biases in the model's dtype (empty tensors where none), where oneDNN keeps its copy
 // beside the tiles (a CPU with AMX, or FERRY_CPU_TILED_LINEAR=small): a step of more than
 // `tiled_rows` tokens takes its products there, as PackedLinear does (mkldnn::_linear_pointwise;
-// the gate/up product then silu_and_mul, as FusedSiluMLP), the rest of the step unchanged.
+// the gate/up product then silu_and_mul, as FusedSiluMLP), the rest of the step unchanged. On
+// a CPU with AMX such a step takes AMX tile products over the tiles instead (amx_linear and
+// amx_silu_linear, tiled_linear.cpp), oneDNN's copy only under tiled_amx(0) or for shapes the
+// AMX products do not take.
 //
 // times (optional, float64 [2, 4], added to): seconds in the norms, the products, the rotary
 // embedding and the attention (cache write, decode kernel and their dtype conversions), wall
@@ -40,6 +43,9 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
 torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
+torch::Tensor amx_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
+int64_t amx_linear_rows();
 
 // oneDNN's product over its packed weight, the op PackedLinear.forward calls (the same bits).
 static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
@@ -97,7 +103,17 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
               "every token a decode: one block-table row and one length per token");
   TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == DECODE_LAYER_PACKED * layers,
               "packed: none, or per layer 4 oneDNN weights and 4 biases");
-  const bool on_onednn = T > tiled_rows;
+  const bool past_tiled = T > tiled_rows;
+  // Past the tiled kernel's rows: AMX tile products over the same tiles where the CPU has AMX
+  // (tiled_linear.cpp's amx_linear, up to its rows; every product's N and K multiples of 32),
+  // else oneDNN's: as PackedLinear and FusedSiluMLP choose.
+  bool on_amx = past_tiled && T <= amx_linear_rows();
+  for (int64_t l = 0; on_amx && l < layers; ++l)
+    for (int64_t i : {2, 4, 6, 8}) {
+      const torch::Tensor& tiles = weights[DECODE_LAYER_TENSORS * l + i];
+      on_amx = on_amx && tiles.dim() == 3 && tiles.size(0) % 2 == 0 && tiles.size(1) % 16 == 0;
+    }
+  const bool on_onednn = past_tiled && !on_amx;
   TORCH_CHECK(!on_onednn || !packed.empty(), "more tokens than the tiled kernels take and no oneDNN weights");
   if (times.has_value())
     TORCH_CHECK(times->scalar_type() == at::kDouble && times->is_contiguous() &&
@@ -116,7 +132,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
       x = sum_norm[0], h = sum_norm[1];
       clock.charge(PartClock::NORM);
     }
-    const torch::Tensor qkv = pw ? onednn_linear(h, pw[0], pw[4]) : tiled_linear(h, w[2], w[3]);  // [T, qw + 2 kw]
+    const torch::Tensor qkv = on_amx ? amx_linear(h, w[2], w[3])
+                              : pw   ? onednn_linear(h, pw[0], pw[4])
+                                     : tiled_linear(h, w[2], w[3]);  // [T, qw + 2 kw]
     TORCH_CHECK(qkv.size(1) == qw + 2 * kw, "q/k/v widths");
     clock.charge(PartClock::LINEAR);
     auto qk = rotary(qkv.narrow(1, 0, qw).view({T, heads, head_dim}), qkv.narrow(1, qw, kw).view({T, kv_heads, head_dim}),
@@ -130,13 +148,17 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const torch::Tensor o = paged_decode(q, k_cache, v_cache, block_table, seq_lens, scales[l], bf16_dot)
                                 .to(x.scalar_type());
     clock.charge(PartClock::ATTENTION);
-    const torch::Tensor projected = pw ? onednn_linear(o.reshape({T, qw}), pw[1], pw[5]) : tiled_linear(o.reshape({T, qw}), w[4], w[5]);
+    const torch::Tensor o2 = o.reshape({T, qw});
+    const torch::Tensor projected = on_amx ? amx_linear(o2, w[4], w[5])
+                                    : pw   ? onednn_linear(o2, pw[1], pw[5])
+                                           : tiled_linear(o2, w[4], w[5]);
     clock.charge(PartClock::LINEAR);
     auto sum_norm = add_rms_norm(x, projected, w[1], eps[2 * l + 1]);
     x = sum_norm[0], h = sum_norm[1];
     clock.charge(PartClock::NORM);
-    delta = pw ? onednn_linear(silu_and_mul(onednn_linear(h, pw[2], pw[6])), pw[3], pw[7])
-               : tiled_linear(tiled_silu_linear(h, w[6], w[7]), w[8], w[9]);
+    delta = on_amx ? amx_linear(amx_silu_linear(h, w[6], w[7]), w[8], w[9])
+            : pw   ? onednn_linear(silu_and_mul(onednn_linear(h, pw[2], pw[6])), pw[3], pw[7])
+                   : tiled_linear(tiled_silu_linear(h, w[6], w[7]), w[8], w[9]);
     clock.charge(PartClock::LINEAR);
   }
   torch::Tensor out = add_rms_norm(x, delta, final_norm, eps[2 * layers])[1];

@@ -31,41 +31,12 @@
 #include <utility>
 #include <vector>
 #include "work_split.h"
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define FERRY_PREFILL_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define FERRY_PREFILL_AMX 0
-#endif
+#include "amx.h"
+#define FERRY_PREFILL_AMX FERRY_AMX
 
 // Whether the bfloat16 prompt kernel takes AMX tile products where the build and the CPU have
 // them (prefill_amx sets it, for A/B runs and tests).
 static bool g_prefill_amx = true;
-
-#if FERRY_PREFILL_AMX
-// Linux hands a process the AMX tile state only when asked, once (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA); oneDNN asks too, but this kernel may run first.
-static bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-// Palette 1, the eight tiles each sixteen rows of 64 bytes (16 x 32 bfloat16, or 16 x 16 float32).
-struct alignas(64) AmxTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static inline void amx_configure() {
-  AmxTileConfig c;
-  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
-  _tile_loadconfig(&c);
-}
-#endif
 
 // query [T, H, D], key/value [T, KH, D] (any token/head strides, D contiguous); out [T, H, D]
 // contiguous; spans [S, 2] int64 (start, end) of chunks attending causally to their own keys.
