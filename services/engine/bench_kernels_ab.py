@@ -102,6 +102,17 @@ def decode_cases(args: argparse.Namespace) -> list[tuple[str, torch.dtype, list[
     return cases
 
 
+def decode_dot(args: argparse.Namespace, name: str, cache_dtype: torch.dtype) -> bool:
+    """The decode kernel's ``bf16_dot``: True for both trees (``--dot on``, the default), or for
+    this tree the backend's own rule (``--dot auto``: float32 FMAs for a bfloat16 cache on a CPU
+    with AMX, cpu_paged.bf16_decode_through_fma), the base tree keeping dot products."""
+    if args.dot == "on" or name == "base":
+        return True
+    from services.worker.backends.cpu_paged import bf16_decode_through_fma
+
+    return not (bf16_decode_through_fma() and cache_dtype == torch.bfloat16)
+
+
 def run_decode(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     from services.engine.bench_cpu_paths import fresh_table
 
@@ -131,16 +142,17 @@ def run_decode(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[s
         outs: dict[str, torch.Tensor] = {}
         fns: dict[str, Callable[[], float]] = {}
         for name, k in kernels.items():
+            dot = decode_dot(args, name, dt)
             try:
-                outs[name] = k.paged_decode(q, *layers[0], table, seq_lens, scale, True)
+                outs[name] = k.paged_decode(q, *layers[0], table, seq_lens, scale, dot)
             except RuntimeError as exc:
                 print(f"{part} {dt} {layout}: {name} refused ({str(exc).splitlines()[0]})", flush=True)
                 continue
 
-            def step(k: Any = k) -> float:
+            def step(k: Any = k, dot: bool = dot) -> float:
                 t = time.perf_counter()
                 for li in range(args.layers):
-                    k.paged_decode(q, *layers[0 if layout == "resident" else li], table, seq_lens, scale, True)
+                    k.paged_decode(q, *layers[0 if layout == "resident" else li], table, seq_lens, scale, dot)
                 return (time.perf_counter() - t) * 1e3
 
             fns[name] = step
@@ -197,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", required=True, type=Path, help="the other checkout (e.g. a git worktree)")
     p.add_argument("--parts", default="decode,mixed,prefill")
     p.add_argument("--layers", type=int, default=30, help="layers' caches per decode step")
+    p.add_argument("--dot", choices=("on", "auto"), default="on",
+                   help="decode bf16_dot: on for both trees, or auto: this tree as the backend chooses")
     p.add_argument("--rounds", type=int, default=8, help="alternating rounds per case")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path)

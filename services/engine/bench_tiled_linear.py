@@ -49,6 +49,7 @@ def run_linears(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, An
     head_packed, head_tiles = torch.ops.mkldnn._reorder_linear_weight(head, 64), kernels.tiled_pack(head)
     nbytes = sum(2 * k * n for k, n in SHAPES) * LAYERS
     empty = torch.empty(0)
+    use_amx = bool(getattr(kernels, "tiled_amx", lambda _: 0)(-1))
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).to(dt) for k in {k for k, _ in SHAPES}}
@@ -63,10 +64,19 @@ def run_linears(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, An
                 for (k, _), t in zip(SHAPES, layer, strict=True):
                     kernels.tiled_linear(xs[k], t, empty)
 
+        def amx() -> None:
+            for layer in tiles:
+                for (k, _), t in zip(SHAPES, layer, strict=True):
+                    kernels.amx_linear(xs[k], t, empty)
+
         x_head = xs[576]
         times: dict[str, list[float]] = {"onednn": [], "tiled": [], "head_onednn": [], "head_tiled": []}
+        # with AMX: the AMX tile products over the same tiles (what decode steps of 7-128 rows take)
+        arms: list[tuple[str, Any]] = [("onednn", onednn), ("tiled", tiled)] + ([("amx", amx)] if use_amx else [])
+        if use_amx:
+            times["amx"] = []
         for _ in range(rounds):
-            for name, fn in (("onednn", onednn), ("tiled", tiled),
+            for name, fn in (*arms,
                              ("head_onednn", lambda: torch.ops.mkldnn._linear_pointwise(x_head, head_packed, None, "none", [], "")),
                              ("head_tiled", lambda: kernels.tiled_linear(x_head, head_tiles, empty))):
                 fn()
@@ -75,12 +85,14 @@ def run_linears(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, An
                 times[name].append(time.perf_counter() - t0)
         row = {"rows": m, **{f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in times.items()}}
         flops = 2 * m * nbytes / 2
-        row.update({f"{k}_gflop_s": round(flops / statistics.median(times[k]) / 1e9) for k in ("onednn", "tiled")})
-        row.update({f"{k}_gb_s": round(nbytes / statistics.median(times[k]) / 1e9, 1) for k in ("onednn", "tiled")})
+        row.update({f"{k}_gflop_s": round(flops / statistics.median(times[k]) / 1e9) for k, _ in arms})
+        row.update({f"{k}_gb_s": round(nbytes / statistics.median(times[k]) / 1e9, 1) for k, _ in arms})
         print(f"linears, {m} rows, {LAYERS} layers: oneDNN {row['onednn_ms']} ms ({row['onednn_gflop_s']} GFLOP/s, "
               f"{row['onednn_gb_s']} GB/s of weights), tiled {row['tiled_ms']} ms ({row['tiled_gflop_s']} GFLOP/s, "
               f"{row['tiled_gb_s']} GB/s), x{row['onednn_ms'] / row['tiled_ms']:.2f}; LM head oneDNN "
-              f"{row['head_onednn_ms']} ms, tiled {row['head_tiled_ms']} ms", flush=True)
+              f"{row['head_onednn_ms']} ms, tiled {row['head_tiled_ms']} ms"
+              + (f"; AMX {row['amx_ms']} ms ({row['amx_gb_s']} GB/s), x{row['onednn_ms'] / row['amx_ms']:.2f} of oneDNN"
+                 if use_amx else ""), flush=True)
         out.append(row)
     return out
 

@@ -355,8 +355,20 @@ static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const
 // next group's first) are requested into L1 ahead of their tile loads; past 32 rows the rows'
 // A tiles no longer fit L1 beside them and the requests cost more than they gave (64 rows:
 // 16.3 ms a step with them, 13.3 without, blocks of groups kept in L2 for every 32 rows alike).
+//
+// x: the rows, m of them; a last block of fewer than 32 is copied into a zero-padded buffer
+// (the tile loads read 32 rows), the others read in place: a padded copy of all of x, a tensor
+// allocated per call, cost 1-2 ms of a 64-request step at 33-63 rows.
 template <typename Tile, typename Epilogue>
-static void run(const c10::BFloat16* x, int64_t mp, int64_t K, int64_t groups, Tile tile, Epilogue epilogue) {
+static void run(const c10::BFloat16* x, int64_t m, int64_t K, int64_t groups, Tile tile, Epilogue epilogue) {
+  const int64_t full = m / 32 * 32, mp = (m + 31) / 32 * 32;
+  thread_local std::vector<c10::BFloat16> tail;
+  if (mp > full) {
+    tail.assign(32 * K, c10::BFloat16(0.f));
+    std::memcpy(tail.data(), x + full * K, (m - full) * K * sizeof(c10::BFloat16));
+  }
+  const c10::BFloat16* tail_rows = tail.data();
+  auto rows = [&](int64_t r0) { return r0 < full ? x + r0 * K : tail_rows; };
   const bool ahead = mp <= 32;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     amx_configure();
@@ -364,7 +376,7 @@ static void run(const c10::BFloat16* x, int64_t mp, int64_t K, int64_t groups, T
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t r0 = 0; r0 < mp; r0 += 32) {
         const bool next = ahead && g + 1 < g1;
-        pair(x + r0 * K, K, tile(g, 0), tile(g, 1), next ? tile(g + 1, 0) : nullptr, next ? tile(g + 1, 1) : nullptr,
+        pair(rows(r0), K, tile(g, 0), tile(g, 1), next ? tile(g + 1, 0) : nullptr, next ? tile(g + 1, 1) : nullptr,
              ahead, c);
         epilogue(g, r0, c);
       }
@@ -373,14 +385,6 @@ static void run(const c10::BFloat16* x, int64_t mp, int64_t K, int64_t groups, T
 }
 #endif
 
-// x [M, K] bfloat16 contiguous -> rows padded to a multiple of 32 (zeros), or x itself
-static torch::Tensor padded_rows(const torch::Tensor& x, int64_t m, int64_t k) {
-  const int64_t mp = (m + 31) / 32 * 32;
-  if (mp == m) return x;
-  auto p = torch::zeros({mp, k}, x.options());
-  p.narrow(0, 0, m).copy_(x.reshape({m, k}));
-  return p;
-}
 }  // namespace tiled_amx_ns
 
 bool amx_linear_ready() {
@@ -409,12 +413,11 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bia
   if (c.m == 0) return y;
 #if FERRY_AMX
   const int64_t K = 2 * c.k2, n = c.n, m = c.m;
-  const torch::Tensor xp = tiled_amx_ns::padded_rows(x, m, K);
   const char* tp = reinterpret_cast<const char*>(tiles.data_ptr<int32_t>());
   const int64_t tile_bytes = c.k2 * 64;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const float* bias_p = c.bias;
-  tiled_amx_ns::run(xp.data_ptr<c10::BFloat16>(), xp.size(0), K, n / 32,
+  tiled_amx_ns::run(x.data_ptr<c10::BFloat16>(), m, K, n / 32,
       [&](int64_t g, int q) { return tp + (2 * g + q) * tile_bytes; },
       [&](int64_t g, int64_t r0, float (*s)[256]) {
         for (int q = 0; q < 2; ++q) {
@@ -439,12 +442,11 @@ torch::Tensor amx_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tenso
   if (c.m == 0) return y;
 #if FERRY_AMX
   const int64_t K = 2 * c.k2, width = c.n / 2, half = c.n / 32, m = c.m;
-  const torch::Tensor xp = tiled_amx_ns::padded_rows(x, m, K);
   const char* tp = reinterpret_cast<const char*>(tiles.data_ptr<int32_t>());
   const int64_t tile_bytes = c.k2 * 64;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const float* bias_p = c.bias;
-  tiled_amx_ns::run(xp.data_ptr<c10::BFloat16>(), xp.size(0), K, half,
+  tiled_amx_ns::run(x.data_ptr<c10::BFloat16>(), m, K, half,
       [&](int64_t g, int q) { return tp + (g + q * half) * tile_bytes; },
       [&](int64_t g, int64_t r0, float (*s)[256]) {
         const int64_t o = g * 16;
