@@ -299,20 +299,22 @@ void tiled_prefetch(bool on) { tiled::prefetch_next = on; }
 
 // The same tiles as AMX B tiles (CPUs with AMX): a tile's sixteen k-pair rows of sixteen
 // outputs are 64-byte rows, the layout TDPBF16PS reads, so the products of a decode step's
-// 7-64 rows (past the tiled kernel's 6; oneDNN's before) read them as they are. Each thread
+// 7-128 rows (past the tiled kernel's 6; oneDNN's before) read them as they are. Each thread
 // takes a contiguous range of groups of two output tiles (for the gated product: a gate tile
 // and its up tile) and runs them against the rows 32 at a time: four C tiles (2 x 16 rows x 2
-// x 16 outputs), two A tiles of the rows, two B tiles, 32 k a step; each step's B lines are
-// requested into L1 two steps ahead (a tile load waits for its lines, and AMX does not run
-// ahead of it: oneDNN's packed product read the weight at 12 GB/s at 64 rows, this at ~20).
+// x 16 outputs), two A tiles of the rows, two B tiles, 32 k a step; up to 32 rows each step's
+// B lines are requested into L1 two steps ahead (a tile load waits for its lines, and AMX does
+// not run ahead of it: at 32 rows oneDNN's packed product read the weight at 12.8 GB/s, this
+// at 21.6).
 // Past 32 rows each group runs against every 32 rows in turn, its tiles in L2 after the first
 // (see run). Sums in float32 from zero, the bias added once, rounded once: a row's result does
 // not depend on the other rows.
 namespace tiled_amx_ns {
 inline bool enabled = true;  // tiled_amx sets it
 // The most rows the AMX products take (decode steps); past it oneDNN's, as before. Against
-// oneDNN's packed products on the model's 30 layers: 0.61x the time at 32 rows, 0.76x at 64,
-// 0.81x at 128, 0.92-0.94x at 33-48 (rows padded to 64); prompt steps unmeasured, so oneDNN's.
+// oneDNN's packed products on the model's 30 layers: 0.77-0.78x the time at 7-16 rows, 0.59x
+// at 32, 0.88-0.89x at 33-48, 0.74x at 64, 0.84x at 128 (docs/benchmarks.md); at a prompt
+// step's 2,048 rows this simple pass is slower than oneDNN (not blocked for L2), so oneDNN's.
 constexpr int64_t MAX_ROWS = 128;
 #if FERRY_AMX
 // rows [r0, r0 + 32) of xb (row stride K elements) against B tiles b0, b1 (k2 * 16 words each),
