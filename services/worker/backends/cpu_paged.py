@@ -144,8 +144,9 @@ def bf16_decode_through_fma() -> bool:
 
     On the Xeons with AMX (``amx_bf16``) ``vdpbf16ps`` issues one per two cycles where FMAs
     issue two per cycle (16 multiply-adds a cycle against 32), and the decode kernel, which
-    widens each bfloat16 pair in one instruction per element, took 0.87-0.91x the time of its
-    dot products there (docs/benchmarks.md, "Subnormal exponentials and FMA decodes"). The
+    widens each bfloat16 pair in one instruction per element, took 0.95x the time of its dot
+    products there reading from memory, 0.83x in cache (docs/benchmarks.md, "FMA decodes on a
+    CPU with AMX"). The
     Zen 4 issues ``vdpbf16ps`` at the FMA's rate and keeps them. A float8 cache keeps its dot
     products everywhere (its FMA path converts each byte: 1.7x their time on the Xeon).
     ``FERRY_CPU_BF16_DOT=1`` forces dot products, ``0`` FMAs for everything.

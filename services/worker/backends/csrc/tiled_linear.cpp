@@ -399,11 +399,11 @@ bool amx_linear_ready() {
 
 // 0: AMX products off, 1: on (where the build and the CPU have AMX); anything else: only
 // asks. Returns the most rows they take (0: they do not run). For A/B runs and tests.
+int64_t amx_linear_rows() { return amx_linear_ready() ? tiled_amx_ns::MAX_ROWS : 0; }
 int64_t tiled_amx(int64_t mode) {
   if (mode == 0 || mode == 1) tiled_amx_ns::enabled = mode == 1;
-  return amx_linear_ready() ? tiled_amx_ns::MAX_ROWS : 0;
+  return amx_linear_rows();
 }
-int64_t amx_linear_rows() { return amx_linear_ready() ? tiled_amx_ns::MAX_ROWS : 0; }
 
 // As tiled_linear (the same tiles, bias and result shape; N a multiple of 32, K of 32), by
 // AMX tile products; the sums' order differs from tiled_linear's, so the last bit can.
