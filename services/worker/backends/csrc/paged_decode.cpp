@@ -387,11 +387,19 @@ static inline __m512i query32bf(const scalar_t* p, float up) {
 }
 #endif
 
+// LINES cache lines from p requested into L2. (As a lambda over a row pointer that may be null,
+// GCC 12 at -O3 dropped these prefetches from decode_group altogether.)
+template <int64_t LINES>
+static inline void request_lines(const void* p) {
+  for (int64_t l = 0; l < LINES; ++l) _mm_prefetch(static_cast<const char*>(p) + 64 * l, _MM_HINT_T1);
+}
+
 struct HeadScratch {
   std::vector<int64_t> off, next;  // each context token's row in the cache (element offset): this item's, the next's
   std::vector<float> scores;
   std::vector<uint32_t> qpairs;  // float8: the query's pair-layout operands (decode_group)
   std::vector<float> qsplit;      // bfloat16 through FMAs: the query's even and odd elements (decode_group)
+  std::vector<float> vacc;        // bfloat16 through FMAs: the values' sums between chunks (decode_group)
   int64_t carried = 0;  // this item's key rows the last item's RowStream already requested
 };
 
@@ -413,8 +421,10 @@ struct HeadScratch {
 // touched, a little ahead (RowStream: this item's keys, its values, then the next item's first
 // keys; 12-18 % less time per step than NextRows on a fresh server's layout, a few percent
 // on scattered blocks). A float8 cache requests the next item's rows a few tokens per scoring
-// pass (NextRows: 17-27 % less than no prefetch; RowStream was slower there). A burst of the
-// whole next item at once stalled the core on its miss buffers and gained nothing.
+// pass (NextRows: 17-27 % less than no prefetch; RowStream was slower there). A bfloat16 cache
+// through FMAs (SPLIT) has each KV head's pass request its own slice of the rows further on
+// (see SLICE_AHEAD). A burst of the whole next item at once stalled the core on its miss
+// buffers and gained nothing.
 template <typename scalar_t, typename cache_t, int64_t NV, int64_t G, bool BF16DOT>
 static inline void decode_group(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int64_t* off,
                                 int64_t len, scalar_t* out, int64_t nkv, float scale, HeadScratch& s,
@@ -427,11 +437,15 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
   constexpr bool SCALED = BF16DOT && std::is_same_v<cache_t, c10::Float8_e4m3fn>;
   const float up = SCALED ? FP8_UP : 1.f, back = SCALED ? FP8_BACK : 1.f;
   const __m512 sc = _mm512_set1_ps(scale * back), ninf = _mm512_set1_ps(-INFINITY);
-  // 16-bit caches: rows requested in order, ROWS_AHEAD rows before their first use (RowStream);
-  // float8: the next item's rows, a few per scoring pass (NextRows)
-  constexpr bool IN_ORDER = sizeof(cache_t) == 2;
+  // bfloat16 through FMAs (below)
+  constexpr bool SPLIT = !BF16DOT && std::is_same_v<cache_t, c10::BFloat16> && NV % 2 == 0;
+  // 16-bit caches through dot products: rows requested in order, ROWS_AHEAD rows before their
+  // first use (RowStream); float8: the next item's rows, a few per scoring pass (NextRows);
+  // SPLIT: each KV head's slice of the rows SLICE_AHEAD tokens ahead, by that head's own pass
+  // (below)
+  constexpr bool IN_ORDER = sizeof(cache_t) == 2 && !SPLIT;
   constexpr int64_t ROWS_AHEAD = 16;
-  NextRows pf(kc, vc, IN_ORDER ? nullptr : next, next_len, nkv * HD);
+  NextRows pf(kc, vc, IN_ORDER || SPLIT ? nullptr : next, next_len, nkv * HD);
   RowStream rs(kc, vc, off, IN_ORDER ? len : 0, next, IN_ORDER ? next_len : 0, nkv * HD, s.carried);
   // float8: the next item's rows requested at about this item's own pace (18 rows per sixteen
   // tokens for SmolLM2's 3 x 3 heads). Same-process A/B on a fresh layout: 27 rows (the next
@@ -459,7 +473,6 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
   // their even and odd elements. Each query head's sixteen-element steps as those two halves,
   // each repeated in both 256-bit halves for the pair layout of the keys: [head][step][even,
   // odd][16], made once per item.
-  constexpr bool SPLIT = !BF16DOT && std::is_same_v<cache_t, c10::BFloat16> && NV % 2 == 0;
   [[maybe_unused]] const float* qsplit = nullptr;
   if constexpr (SPLIT) {
     s.qsplit.resize(nkv * G * NV * 32);
@@ -476,6 +489,14 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
       }
     qsplit = qs;
   }
+  // SPLIT's prefetch. A pass reads one KV head's slice of each row (keys: a sixteen-token
+  // chunk per head; values: a VCHUNK-token chunk per head), and each head's pass requests its
+  // own slice of the row SLICE_AHEAD tokens further on (request_lines): the keys' pass runs on
+  // into the values' first rows, the values' into the next item's first keys. On the common load's
+  // decode shape (bench_kernels_ab --parts decode --dot rule, fresh layout) this took 15 %
+  // less time per step than RowStream's whole rows in order a chunk ahead, 5 % less with
+  // every row in cache (docs/benchmarks.md, "Decode rows requested slice by slice").
+  constexpr int64_t SLICE_AHEAD = 32;
   for (int64_t c0 = 0; c0 < len; c0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - c0);
     const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
@@ -527,6 +548,10 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
         const float* qk2 = qsplit + k * G * NV * 32;
 #pragma GCC unroll 8
         for (int64_t p = 0; p < 8; ++p) {
+          for (int64_t ta = c0 + 2 * p + SLICE_AHEAD; ta < c0 + 2 * p + 2 + SLICE_AHEAD; ++ta) {
+            if (ta < len) request_lines<NV / 2>(kc + off[ta] + k * HD);  // this item's keys
+            else if (ta - len < len) request_lines<NV / 2>(vc + off[ta - len] + k * HD);  // then its values
+          }
           const cache_t* ra = kc + off[c0 + pair_row_a(p)] + k * HD;
           const cache_t* rb = kc + off[c0 + pair_row_b(p)] + k * HD;
 #pragma GCC unroll 16
@@ -582,6 +607,51 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
     __m512 mx = ninf;
     for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + t));
     softmax16(sh, padded, _mm512_reduce_max_ps(mx));
+  }
+  if constexpr (SPLIT) {
+    // Values VCHUNK tokens at a time, every KV head of the range per chunk, each head's
+    // accumulators carried from chunk to chunk in s.vacc (a head's sums still run over its
+    // tokens in order); each head's pass requests its slice of the rows SLICE_AHEAD further on.
+    constexpr int64_t VCHUNK = 32;
+    s.vacc.assign(nkv * G * NV * 16, 0.f);
+    float* va = s.vacc.data();
+    for (int64_t c0 = 0; c0 < len; c0 += VCHUNK) {
+      const int64_t c1 = std::min<int64_t>(len, c0 + VCHUNK);
+      for (int64_t k = 0; k < nkv; ++k) {
+        // acc[g][2i] holds the even elements of dimensions [32i, 32i + 32), acc[g][2i + 1] the odd
+        __m512 acc[G][NV];
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t v = 0; v < NV; ++v) acc[g][v] = _mm512_loadu_ps(va + ((k * G + g) * NV + v) * 16);
+        const float* sk = s.scores.data() + k * G * padded;
+        for (int64_t t = c0; t < c1; ++t) {
+          const int64_t ta = t + SLICE_AHEAD;
+          if (ta < len) request_lines<NV / 2>(vc + off[ta] + k * HD);  // this item's values
+          else if (ta - len < next_len) request_lines<NV / 2>(kc + next[ta - len] + k * HD);  // then the next item's keys
+          const cache_t* vr = vc + off[t] + k * HD;
+          for (int64_t i = 0; i < NV / 2; ++i) {
+            const __m512i x = _mm512_loadu_si512(vr + i * 32);
+            const __m512 e = bf16_even(x), o = bf16_odd(x);
+            for (int64_t g = 0; g < G; ++g) {
+              const __m512 p = _mm512_set1_ps(sk[g * padded + t]);
+              acc[g][2 * i] = _mm512_fmadd_ps(p, e, acc[g][2 * i]);
+              acc[g][2 * i + 1] = _mm512_fmadd_ps(p, o, acc[g][2 * i + 1]);
+            }
+          }
+        }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(va + ((k * G + g) * NV + v) * 16, acc[g][v]);
+      }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t h = 0; h < nkv * G; ++h)
+      for (int64_t i = 0; i < NV / 2; ++i) {
+        const __m512 ev = _mm512_loadu_ps(va + (h * NV + 2 * i) * 16), od = _mm512_loadu_ps(va + (h * NV + 2 * i + 1) * 16);
+        store_out(out + h * HD + i * 32, _mm512_permutex2var_ps(ev, first, od));
+        store_out(out + h * HD + i * 32 + 16, _mm512_permutex2var_ps(ev, second, od));
+      }
+    s.carried = 0;
+    return;
   }
   // Values one KV head at a time, the group's accumulators in registers.
   for (int64_t k = 0; k < nkv; ++k) {
@@ -646,32 +716,6 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
           store_out(ok + g * HD + i * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][i], second, hi[g][i]), ob));
         }
 #endif
-    } else if constexpr (SPLIT) {
-      // acc[g][2i] holds the even elements of dimensions [32i, 32i + 32), acc[g][2i + 1] the odd
-      __m512 acc[G][NV];
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
-      const float* sk = s.scores.data() + k * G * padded;
-      for (int64_t t = 0; t < len; ++t) {
-        if (IN_ORDER && k == 0 && (t & 7) == 0) rs.upto(len + t + 8 + ROWS_AHEAD);  // as above
-        const cache_t* vr = vc + off[t] + k * HD;
-        for (int64_t i = 0; i < NV / 2; ++i) {
-          const __m512i x = _mm512_loadu_si512(vr + i * 32);
-          const __m512 e = bf16_even(x), o = bf16_odd(x);
-          for (int64_t g = 0; g < G; ++g) {
-            const __m512 p = _mm512_set1_ps(sk[g * padded + t]);
-            acc[g][2 * i] = _mm512_fmadd_ps(p, e, acc[g][2 * i]);
-            acc[g][2 * i + 1] = _mm512_fmadd_ps(p, o, acc[g][2 * i + 1]);
-          }
-        }
-      }
-      const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-      const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < NV / 2; ++i) {
-          store_out(ok + g * HD + i * 32, _mm512_permutex2var_ps(acc[g][2 * i], first, acc[g][2 * i + 1]));
-          store_out(ok + g * HD + i * 32 + 16, _mm512_permutex2var_ps(acc[g][2 * i], second, acc[g][2 * i + 1]));
-        }
     } else {
       __m512 acc[G][NV];
       for (int64_t g = 0; g < G; ++g)
