@@ -103,10 +103,11 @@ def decode_cases(args: argparse.Namespace) -> list[tuple[str, torch.dtype, list[
 
 
 def decode_dot(args: argparse.Namespace, name: str, cache_dtype: torch.dtype) -> bool:
-    """The decode kernel's ``bf16_dot``: True for both trees (``--dot on``, the default), or for
+    """The decode kernel's ``bf16_dot``: True for both trees (``--dot on``, the default); for
     this tree the backend's own rule (``--dot auto``: float32 FMAs for a bfloat16 cache on a CPU
-    with AMX, cpu_paged.bf16_decode_through_fma), the base tree keeping dot products."""
-    if args.dot == "on" or name == "base":
+    with AMX, cpu_paged.bf16_decode_through_fma), the base tree keeping dot products; or the
+    backend's rule for both trees (``--dot rule``: two builds of the path this CPU runs)."""
+    if args.dot == "on" or (name == "base" and args.dot == "auto"):
         return True
     from services.worker.backends.cpu_paged import bf16_decode_through_fma
 
@@ -209,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", required=True, type=Path, help="the other checkout (e.g. a git worktree)")
     p.add_argument("--parts", default="decode,mixed,prefill")
     p.add_argument("--layers", type=int, default=30, help="layers' caches per decode step")
-    p.add_argument("--dot", choices=("on", "auto"), default="on",
-                   help="decode bf16_dot: on for both trees, or auto: this tree as the backend chooses")
+    p.add_argument("--dot", choices=("on", "auto", "rule"), default="on",
+                   help="decode bf16_dot: on for both trees; auto: this tree as the backend chooses, the base "
+                        "tree dot products; rule: both trees as the backend chooses")
     p.add_argument("--rounds", type=int, default=8, help="alternating rounds per case")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from pathlib import Path
 
@@ -49,3 +50,24 @@ def test_same_bits_compares_bytes_not_values() -> None:
 def test_refuses_this_tree_as_its_own_base() -> None:
     with pytest.raises(SystemExit, match="this tree"):
         ab.main(["--base", str(Path(ab.__file__).resolve().parents[2])])
+
+
+@pytest.mark.parametrize("through_fma", [False, True])
+def test_decode_dot_modes(monkeypatch: pytest.MonkeyPatch, through_fma: bool) -> None:
+    from services.worker.backends import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "bf16_decode_through_fma", lambda: through_fma)
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+
+    def dot(mode: str, name: str, dtype: torch.dtype) -> bool:
+        return ab.decode_dot(argparse.Namespace(dot=mode), name, dtype)
+
+    for name in ("base", "this"):  # on: dot products in both trees, whatever the CPU
+        assert dot("on", name, bf16) and dot("on", name, fp8)
+    # auto: the base tree keeps dot products, this tree follows the backend's rule
+    assert dot("auto", "base", bf16)
+    assert dot("auto", "this", bf16) is not through_fma
+    # rule: both trees follow it (float8 keeps dot products either way)
+    for name in ("base", "this"):
+        assert dot("rule", name, bf16) is not through_fma
+        assert dot("rule", name, fp8)
