@@ -510,11 +510,18 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
           const int64_t n = lim(r), fill = (lim(std::min(r - r % PR + PR - 1, R - 1)) + BK - 1) / BK * BK;
           const float* sr = S.data() + r * SPAN;
           uint32_t* pr = P.data() + r * (SPAN / 2);
-          // the AMX products left S unscaled: times the scale here, the same rounding as a pass
-          const __m512 sl = _mm512_set1_ps(AMX ? scale : 1.f);
+          // the scores the lanes in `mask` hold (zero past them): the AMX products left S
+          // unscaled, so times the scale here, rounded as a pass of its own would round them
+          const auto scores = [&](__mmask16 mask, const float* p) {
+            const __m512 x = _mm512_maskz_loadu_ps(mask, p);
+            if constexpr (AMX) return _mm512_maskz_mul_ps(mask, x, sv);
+            else return x;
+          };
           __m512 mx = ninf;
-          for (int64_t k = 0; k < n; k += 16)
-            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(ninf, lanes_below(n - k), _mm512_maskz_loadu_ps(lanes_below(n - k), sr + k), sl));
+          for (int64_t k = 0; k < n; k += 16) {
+            const __mmask16 v = lanes_below(n - k);
+            mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, v, scores(v, sr + k)));
+          }
           const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx));
           const float alpha = mnew == m[r] ? 1.f : std::exp(m[r] - mnew);  // exp(-inf) = 0 on the first span
           m[r] = mnew;
@@ -524,9 +531,8 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
             __m512 p0 = zero, p1 = zero;
             if (k < n) {
               const __mmask16 v0 = lanes_below(n - k), v1 = lanes_below(n - k - 16);
-              p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(_mm512_maskz_mul_ps(v0, _mm512_maskz_loadu_ps(v0, sr + k), sl), mv)));
-              if (v1)
-                p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(_mm512_maskz_mul_ps(v1, _mm512_maskz_loadu_ps(v1, sr + k + 16), sl), mv)));
+              p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(scores(v0, sr + k), mv)));
+              if (v1) p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(scores(v1, sr + k + 16), mv)));
               sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             }
             _mm512_storeu_si512(pr + k / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
