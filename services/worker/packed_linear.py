@@ -86,6 +86,9 @@ class PackedLinear(nn.Module):
                 return self._tiled(x if x.is_contiguous() else x.contiguous(), self.tiles, self._bias32)
             if self._amx is not None and x.numel() <= self.amx_rows * self.in_features:
                 return self._amx(x if x.is_contiguous() else x.contiguous(), self.tiles, self._bias32)
+        if self.packed is None:  # dropped for a bound on the rows (drop_packed) that this call passed
+            raise RuntimeError(f"{x.numel() // self.in_features} rows: past the {max(self.tiled_rows, self.amx_rows)} "
+                               "this layer kept kernels for when oneDNN's copy was dropped")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def add_tiled(self, weight: torch.Tensor, kernels: Any, rows: int) -> None:
@@ -103,16 +106,69 @@ class PackedLinear(nn.Module):
     def remove_tiled(self) -> None:
         self.tiles, self._tiled, self.tiled_rows, self._amx, self.amx_rows = None, None, 0, None, 0
 
-    def drop_packed(self) -> None:
-        """Free oneDNN's copy once the tiled kernel takes every product."""
-        if self._tiled is None or self.tiled_rows < ALL_ROWS:
-            raise RuntimeError("oneDNN's weight is still needed: the tiled kernel does not take every product")
+    def covers(self, rows: int) -> bool:
+        """Whether the tiled kernel or the AMX products take every input of up to ``rows`` rows."""
+        return self._tiled is not None and (self.tiled_rows >= rows or (self._amx is not None and self.amx_rows >= rows))
+
+    def drop_packed(self, rows: int = ALL_ROWS) -> None:
+        """Free oneDNN's copy once the tiled kernel (or past its rows the AMX products) takes
+        every product of up to ``rows`` rows: all of them by default; a caller that never passes
+        more (the LM head: at most ``max_num_seqs``) may name its bound."""
+        if not self.covers(rows):
+            raise RuntimeError(f"oneDNN's weight is still needed: the tiled kernels do not take {rows} rows")
         self.packed = None
 
     def extra_repr(self) -> str:
         held = ("packed" if self.tiles is None else "tiled" if self.packed is None
                 else f"packed, tiled up to {self.tiled_rows} rows" + (f", AMX up to {self.amx_rows}" if self._amx else ""))
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {held}"
+
+
+class TiledEmbedding(nn.Module):
+    """An embedding tied to the LM head, read from the head's tiles (``tiled_embedding``).
+
+    A tied head packed here has its own copies (oneDNN's and the tiled kernel's) while the
+    embedding kept the plain weight: the same 49,152 x 576 matrix up to three times in a
+    SmolLM2 worker (57 MB each). The tiles hold every element bit for bit, so token rows are
+    read back out of them (a row's words lie 64 bytes apart: ~0.1 ms for a 64-request decode
+    step, a few ms for a 2,048-token prompt step) and the plain weight is dropped.
+    """
+
+    def __init__(self, embedding: nn.Embedding, tiles: torch.Tensor, kernels: Any) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+        self.tiles: torch.Tensor
+        self.register_buffer("tiles", tiles, persistent=False)  # the head's, shared, not a copy
+        self._rows = kernels.tiled_embedding
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._rows(self.tiles, input_ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, read from the LM head's tiles"
+
+
+def share_tied_embedding(body: nn.Module, head: nn.Module) -> int:
+    """Swap ``body``'s embedding for a ``TiledEmbedding`` over ``head``'s tiles where the two are
+    the same matrix (checked element for element here, not assumed from the config); the bytes
+    of the plain weight given up (0: nothing swapped)."""
+    embedding = body.get_input_embeddings()  # type: ignore[operator]
+    if (type(embedding) is not nn.Embedding or not isinstance(head, PackedLinear) or head.tiles is None
+            or embedding.max_norm is not None or embedding.weight.dtype != torch.bfloat16
+            or (head.out_features, head.in_features) != tuple(embedding.weight.shape)):
+        return 0
+    kernels = _tiled_kernels()
+    if kernels is None or not hasattr(kernels, "tiled_embedding"):
+        return 0
+    n = embedding.num_embeddings
+    every = torch.arange(n, dtype=torch.long)
+    with torch.inference_mode():
+        if not torch.equal(kernels.tiled_embedding(head.tiles, every), embedding.weight):
+            return 0
+    shared = TiledEmbedding(embedding, head.tiles, kernels)
+    body.set_input_embeddings(shared)  # type: ignore[operator]
+    return int(embedding.weight.nbytes)
 
 
 class FusedHead(nn.Module):

@@ -44,7 +44,13 @@ from .kv_cache import FP8, KVCache, kv_cache_torch_dtype, num_blocks_for_budget
 from .lean_forward import LeanDecoder
 from .loader import load_model
 from .logits_processors import ConstraintTracker
-from .packed_linear import SMALL_BATCH_ROWS, PackedLinear, fuse_projections, pack_linears
+from .packed_linear import (
+    SMALL_BATCH_ROWS,
+    PackedLinear,
+    fuse_projections,
+    pack_linears,
+    share_tied_embedding,
+)
 from .quantize import apply_int8, int8_kernels
 from .sampler import Sampler
 
@@ -113,7 +119,8 @@ class ModelRunner:
         # CPU, bfloat16 and float32: the decoder's linear layers and the LM head multiply against
         # oneDNN-packed weights (packed_linear.py). A head tied to the embedding gets its own
         # packed copy (SmolLM2: 57 MB more) for 1.3x at a decode batch of 64 and 1.8x for one
-        # decode (docs/benchmarks.md, "CPU worker speed, third session").
+        # decode (docs/benchmarks.md, "CPU worker speed, third session"); where that copy is the
+        # tiled kernel's, the embedding reads its rows from it and drops the plain weight.
         if config.quantization == "int8":
             # W8A8 (quantize.py): q/k/v and gate/up fused first, so each group is one int8 product
             ops = int8_kernels()
@@ -136,6 +143,19 @@ class ModelRunner:
                 if tied:
                     own = self.lm_head.packed if self.lm_head.packed is not None else self.lm_head.tiles
                     log.info("tied LM head packed as its own copy (%d bytes)", own.nbytes)
+                    # ... and the embedding reads its rows from the head's tiles: one copy fewer
+                    shared = share_tied_embedding(self.body, self.lm_head)
+                    if shared:
+                        log.info("tied embedding read from the LM head's tiles (%d bytes of plain weight dropped)",
+                                 shared)
+                # The head never sees more rows than there are requests in a step: where the tiled
+                # kernel and the AMX products take that many, oneDNN's copy is never read
+                head = self.lm_head
+                if isinstance(head, PackedLinear) and head.packed is not None and head.covers(config.max_num_seqs):
+                    dropped = head.packed.nbytes
+                    head.drop_packed(config.max_num_seqs)
+                    log.info("LM head: oneDNN's copy dropped (%d bytes; its products of up to %d rows on the "
+                             "tiled kernels)", dropped, config.max_num_seqs)
         if packed:
             log.info("%d linear layers on oneDNN-packed weights", packed)
         tiles = [m.tiles for m in self.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]

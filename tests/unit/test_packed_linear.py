@@ -438,3 +438,126 @@ def test_fused_groups_and_the_model_on_the_tiled_kernel() -> None:
         with torch.inference_mode():
             want, got = model(ids).logits.float(), fast(ids).logits.float()
         assert torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # not bit for bit: another order
+
+
+def test_tiled_embedding_reads_rows_back_bit_for_bit() -> None:
+    """``tiled_embedding`` gives each id's row of the weight that ``tiled_pack`` laid out, any
+    id shape, first and last rows of a tile included; an id outside the rows is refused."""
+    k = _tiled_kernels()
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(80, 40, generator=gen).to(torch.bfloat16)
+    tiles = k.tiled_pack(w)
+    ids = torch.tensor([[0, 15, 16], [79, 64, 33]])
+    got = k.tiled_embedding(tiles, ids)
+    assert got.shape == (2, 3, 40) and got.dtype == torch.bfloat16
+    assert torch.equal(got, w[ids])
+    every = torch.randperm(80, generator=gen)
+    assert torch.equal(k.tiled_embedding(tiles, every), w[every])
+    assert k.tiled_embedding(tiles, torch.empty(0, dtype=torch.long)).shape == (0, 40)
+    for bad in (80, -1):
+        with pytest.raises(RuntimeError, match="out of range"):
+            k.tiled_embedding(tiles, torch.tensor([3, bad]))
+
+
+def test_tied_embedding_shares_the_head_tiles_and_the_model_gives_the_same_logits() -> None:
+    """A tied embedding is swapped for one that reads the packed head's tiles (the same storage,
+    no copy; the plain weight's bytes reported) and the model's logits do not change by a bit;
+    an untied pair, or a head without tiles, is left alone."""
+    from services.worker.packed_linear import TiledEmbedding, share_tied_embedding
+
+    _tiled_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cached_tiny_model("llama"), dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=gen)
+    fast = copy.deepcopy(model)
+    fast.tie_weights()
+    assert fast.get_output_embeddings().weight is fast.get_input_embeddings().weight or pytest.skip("not tied")
+    with torch.no_grad():
+        fast.get_input_embeddings().weight.copy_(torch.randn(fast.get_input_embeddings().weight.shape, generator=gen))
+    plain = copy.deepcopy(fast)
+    assert pack_linears(fast, torch.bfloat16, CPU) >= 1
+    head, body = fast.get_output_embeddings(), fast.get_decoder()
+    if head.tiles is None:
+        pytest.skip("the head's outputs are not whole tiles")
+    weight_bytes = body.get_input_embeddings().weight.nbytes
+    assert share_tied_embedding(body, head) == weight_bytes
+    shared = body.get_input_embeddings()
+    assert isinstance(shared, TiledEmbedding) and shared.tiles.data_ptr() == head.tiles.data_ptr()
+    with torch.inference_mode():
+        assert torch.equal(shared(ids), plain.get_input_embeddings()(ids))
+        before = copy.deepcopy(plain)
+        assert pack_linears(before, torch.bfloat16, CPU) >= 1
+        assert torch.equal(fast(ids).logits, before(ids).logits)
+    assert share_tied_embedding(body, head) == 0  # already swapped: not an nn.Embedding any more
+    untied = copy.deepcopy(plain)
+    pack_linears(untied, torch.bfloat16, CPU)
+    with torch.no_grad():
+        untied.get_decoder().get_input_embeddings().weight.add_(1.0)  # no longer the head's matrix
+    assert share_tied_embedding(untied.get_decoder(), untied.get_output_embeddings()) == 0
+    assert type(untied.get_decoder().get_input_embeddings()) is nn.Embedding
+
+
+def test_amx_head_drops_onednn_copy_for_a_bound_on_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX a layer keeps oneDNN's copy for rows past the AMX products' bound; a caller that
+    never passes more (the LM head, at most max_num_seqs rows) may drop it: its products stay
+    the AMX ones, and a call past the bound is refused with a clear error instead of a crash."""
+    _amx_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    gen = torch.Generator().manual_seed(13)
+    model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)  # N and K multiples of 32: AMX
+    assert pack_linears(model, torch.bfloat16, CPU) == 1
+    first = model[0]
+    bound = first.amx_rows
+    assert first.packed is not None and bound >= 64 and first.covers(bound) and not first.covers(bound + 1)
+    x = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        want = first(x)
+        with pytest.raises(RuntimeError, match="still needed"):
+            first.drop_packed(bound + 1)
+        first.drop_packed(bound)
+        assert first.packed is None
+        assert torch.equal(first(x), want)
+        with pytest.raises(RuntimeError, match="past the"):
+            first(torch.randn(bound + 1, 64, generator=gen).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 1000])
+def test_runner_holds_a_tied_head_once_in_bfloat16(max_num_seqs: int) -> None:
+    """A bfloat16 worker whose head is tied (the tiny llama, as SmolLM2): the embedding reads the
+    head's tiles, and with AMX oneDNN's copy of the head is dropped where the AMX products take
+    max_num_seqs rows (8) and kept where they do not (1,000); the first greedy token is the one
+    transformers gives in bfloat16 for a prompt of a few tokens."""
+    from services.worker.packed_linear import TiledEmbedding
+    from services.worker.runner import ModelRunner
+    from shared.config import WorkerConfig
+    from shared.messages import NewRequestData, SamplingParams, StepPlan
+
+    k = _tiled_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    folder = cached_tiny_model("llama")
+    runner = ModelRunner(WorkerConfig(model=str(folder), dtype="bfloat16", kv_cache_memory=1 << 20, block_size=4,
+                                      num_threads=1, max_num_seqs=max_num_seqs))
+    head, embedding = runner.lm_head, runner.body.get_input_embeddings()
+    assert isinstance(head, PackedLinear) and head.tiles is not None
+    assert isinstance(embedding, TiledEmbedding) and embedding.tiles.data_ptr() == head.tiles.data_ptr()
+    amx = k.tiled_amx(-1)
+    assert (head.packed is None) == (amx >= max_num_seqs)
+    prompt = [5, 17, 300, 4000]
+    step = StepPlan(step_id=1, num_scheduled_tokens={"r": 4}, new_requests=[NewRequestData(
+        req_id="r", prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0), block_ids=[0],
+        num_computed_tokens=0)])
+    got = runner.execute(step).sampled_token_ids
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float()
+    # another summation order than transformers': the token is the argmax, or within a
+    # bfloat16 step of it
+    assert logits[got[0]] >= logits.max() - 2.0**-7 * logits.abs().max()

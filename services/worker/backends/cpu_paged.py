@@ -56,7 +56,7 @@ SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", 
 FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged", "prefill_amx",
              "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa",
-             "tiled_linear_available", "tiled_pack", "tiled_linear", "tiled_silu_linear", "tiled_prefetch", "work_stealing",
+             "tiled_linear_available", "tiled_pack", "tiled_embedding", "tiled_linear", "tiled_silu_linear", "tiled_prefetch", "work_stealing",
              "amx_linear", "amx_silu_linear", "tiled_amx", "amx_linear_rows",
              "decode_layers"]
 

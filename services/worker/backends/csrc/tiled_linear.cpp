@@ -231,6 +231,35 @@ torch::Tensor tiled_pack(torch::Tensor weight) {
   return tiles;
 }
 
+// Rows of the weight back out of its tiles: ids [...] int64 -> [..., K] bfloat16, row i =
+// weight[ids[i]] bit for bit. A tied embedding (the LM head's weight) reads its rows here, so
+// the worker holds that matrix once, as tiles, instead of beside them (runner.py). A row's K/2
+// words lie 64 bytes apart (one per k-pair row of its tile): 9 KiB of lines for K = 576.
+torch::Tensor tiled_embedding(torch::Tensor tiles, torch::Tensor ids) {
+  TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.dim() == 3 && tiles.size(2) == 16 && tiles.is_contiguous(),
+              "tiles from tiled_pack");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "int64 token ids");
+  const int64_t k2 = tiles.size(1), n = tiles.size(0) * 16;
+  auto flat = ids.contiguous().view(-1);
+  const int64_t m = flat.numel();
+  const int64_t* ip = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "token id ", ip[i], " out of range for an embedding of ", n, " rows");
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(2 * k2);
+  auto out = torch::empty(sizes, tiles.options().dtype(at::kBFloat16));
+  const uint32_t* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
+  uint32_t* op = reinterpret_cast<uint32_t*>(out.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint32_t* src = tp + (ip[r] / 16) * k2 * 16 + ip[r] % 16;
+      uint32_t* dst = op + r * k2;
+      for (int64_t p = 0; p < k2; ++p) dst[p] = src[p * 16];
+    }
+  });
+  return out;
+}
+
 namespace {
 struct Checked {
   int64_t k2, n, m;
