@@ -143,7 +143,8 @@ class TiledEmbedding(nn.Module):
         self._rows = kernels.tiled_embedding
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._rows(self.tiles, input_ids)
+        # nn.Embedding takes int32 ids too; the kernel reads int64
+        return self._rows(self.tiles, input_ids if input_ids.dtype == torch.long else input_ids.long())
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, read from the LM head's tiles"

@@ -489,6 +489,7 @@ def test_tied_embedding_shares_the_head_tiles_and_the_model_gives_the_same_logit
     assert isinstance(shared, TiledEmbedding) and shared.tiles.data_ptr() == head.tiles.data_ptr()
     with torch.inference_mode():
         assert torch.equal(shared(ids), plain.get_input_embeddings()(ids))
+        assert torch.equal(shared(ids.int()), plain.get_input_embeddings()(ids))  # int32 ids, as nn.Embedding takes
         before = copy.deepcopy(plain)
         assert pack_linears(before, torch.bfloat16, CPU) >= 1
         assert torch.equal(fast(ids).logits, before(ids).logits)
