@@ -130,8 +130,9 @@ class TiledEmbedding(nn.Module):
     A tied head packed here has its own copies (oneDNN's and the tiled kernel's) while the
     embedding kept the plain weight: the same 49,152 x 576 matrix up to three times in a
     SmolLM2 worker (57 MB each). The tiles hold every element bit for bit, so token rows are
-    read back out of them (a row's words lie 64 bytes apart: ~0.1 ms for a 64-request decode
-    step, a few ms for a 2,048-token prompt step) and the plain weight is dropped.
+    read back out of them (a row's words lie 64 bytes apart; measured on the AMX Xeon, 2
+    threads: 0.85 ms for 2,048 ids against nn.Embedding's 0.19, 0.007 ms for 64) and the plain
+    weight is dropped.
     """
 
     def __init__(self, embedding: nn.Embedding, tiles: torch.Tensor, kernels: Any) -> None:
