@@ -84,6 +84,10 @@ class DecodeLayerArgs:
     head_dim: int
     rows: int
     packed: list[torch.Tensor] = field(default_factory=list)
+    # with AMX, the most rows every projection's AMX products take in the call (its
+    # amx_linear_rows bound): a step of up to this many takes them without oneDNN's copies,
+    # which the projections on the AMX products for prompt rows too have dropped
+    amx_rows: int = 0
 
 
 class LeanDecoder:
@@ -112,7 +116,7 @@ class LeanDecoder:
         # in its norms, products, rotary embedding and attention, added to; None: not timed.
         self.part_times: torch.Tensor | None = None
         if kernels is not None and decode_layers_enabled() and hasattr(kernels, "decode_layers"):
-            self.decode_args = _decode_layer_args(body)
+            self.decode_args = _decode_layer_args(body, kernels)
 
     @classmethod
     def build(cls, body: Any, kernels: Any | None) -> LeanDecoder | None:
@@ -148,7 +152,7 @@ class LeanDecoder:
         tokens = x.shape[1]
         one = self.decode_args
         meta, backend = step.metadata, step.backend
-        if (one is not None and (tokens <= one.rows or one.packed) and isinstance(backend, CpuPagedBackend)
+        if (one is not None and (tokens <= max(one.rows, one.amx_rows) or one.packed) and isinstance(backend, CpuPagedBackend)
                 and isinstance(meta, CpuPagedMetadata) and meta.num_decodes == tokens and meta.fresh_spans is None
                 and meta.prefix_spans is None and not meta.chunks.prefills):  # decodes only, no prompt chunk
             out = self.kernels.decode_layers(
@@ -203,7 +207,7 @@ def _all_fused(body: Any) -> bool:
     return True
 
 
-def _decode_layer_args(body: Any) -> DecodeLayerArgs | None:
+def _decode_layer_args(body: Any, kernels: Any = None) -> DecodeLayerArgs | None:
     """``decode_layers``' fixed arguments; None unless every projection and norm is on ferry's
     kernels in bfloat16."""
     from .packed_linear import PackedLinear
@@ -216,7 +220,7 @@ def _decode_layer_args(body: Any) -> DecodeLayerArgs | None:
     weights: list[torch.Tensor] = []
     eps: list[float] = []
     scales: list[float] = []
-    rows = 1 << 62
+    rows = amx = 1 << 62
     packed: list[torch.Tensor] | None = []
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -228,6 +232,7 @@ def _decode_layer_args(body: Any) -> DecodeLayerArgs | None:
         if not all(tiled(m) for m in products):
             return None
         rows = min([rows] + [m.tiled_rows for m in products])
+        amx = min([amx] + [m.amx_rows if m._amx is not None else 0 for m in products])
         weights += [norms[0].weight, norms[1].weight] + [t for m in products for t in (m.tiles, m._bias32)]
         if packed is not None and all(m.packed is not None for m in products):
             packed += [m.packed for m in products]
@@ -239,6 +244,7 @@ def _decode_layer_args(body: Any) -> DecodeLayerArgs | None:
     eps.append(body.norm.variance_epsilon)
     attn = body.layers[0].self_attn
     sizes, head_dim = attn.q_proj.sizes, int(attn.head_dim)
+    bound = int(kernels.amx_linear_rows()) if amx and kernels is not None and hasattr(kernels, "amx_linear_rows") else 0
     return DecodeLayerArgs(weights, eps, scales, sizes[0] // head_dim, sizes[1] // head_dim, head_dim, rows,
-                           packed or [])
+                           packed or [], min(amx, bound))
 

@@ -91,9 +91,10 @@ class PackedLinear(nn.Module):
                                "this layer kept kernels for when oneDNN's copy was dropped")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def add_tiled(self, weight: torch.Tensor, kernels: Any, rows: int) -> None:
+    def add_tiled(self, weight: torch.Tensor, kernels: Any, rows: int, prompt: bool = False) -> None:
         """Keep a copy of ``weight`` laid out for the tiled kernel and send inputs of up to
-        ``rows`` rows to it (csrc/tiled_linear.cpp)."""
+        ``rows`` rows to it (csrc/tiled_linear.cpp); ``prompt``: with AMX, every input past
+        them to the AMX products, a prompt step's too."""
         self.tiles = kernels.tiled_pack(weight.detach())
         self._bias32 = torch.empty(0) if self.bias is None else self.bias.detach().float().contiguous()
         self._tiled = kernels.tiled_linear
@@ -101,7 +102,7 @@ class PackedLinear(nn.Module):
         # with AMX, the rows past the tiled kernel's up to amx_linear's bound (a decode step's)
         # take AMX tile products over the same tiles (csrc/tiled_linear.cpp), oneDNN's the rest
         amx = amx_rows(kernels) if rows < ALL_ROWS and self.out_features % 32 == 0 and self.in_features % 32 == 0 else 0
-        self._amx, self.amx_rows = (kernels.amx_linear, amx) if amx > rows else (None, 0)
+        self._amx, self.amx_rows = (kernels.amx_linear, ALL_ROWS if prompt else amx) if amx > rows else (None, 0)
 
     def remove_tiled(self) -> None:
         self.tiles, self._tiled, self.tiled_rows, self._amx, self.amx_rows = None, None, 0, None, 0
@@ -119,7 +120,9 @@ class PackedLinear(nn.Module):
         self.packed = None
 
     def extra_repr(self) -> str:
-        held = ("packed" if self.tiles is None else "tiled" if self.packed is None
+        amx_all = self._amx is not None and self.amx_rows >= ALL_ROWS
+        held = ("packed" if self.tiles is None
+                else (f"tiled up to {self.tiled_rows} rows, AMX past them" if amx_all else "tiled") if self.packed is None
                 else f"packed, tiled up to {self.tiled_rows} rows" + (f", AMX up to {self.amx_rows}" if self._amx else ""))
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {held}"
 
@@ -358,6 +361,37 @@ def amx_rows(kernels: Any) -> int:
     return int(kernels.tiled_amx(0 if off else 1))
 
 
+PROJECTION_KINDS = {"q_proj/k_proj/v_proj": "qkv", "o_proj": "o", "gate_proj/up_proj": "gate_up", "down_proj": "down"}
+# The projections whose prompt rows the AMX products take by default: where they ran level
+# with oneDNN's packed kernels or faster at every size measured (the gated gate/up product,
+# its activation on the accumulators, 1.04x in a prompt step; down 1.06x at 2,048 rows, 1.5x
+# at 264-512), so oneDNN's copy of their weights is dropped. q/k/v (0.84-0.9x) and o_proj
+# (0.93-0.96x at 264 and 2,048 rows) keep oneDNN's for prompts (docs/benchmarks.md, "Prompt
+# rows on the AMX products").
+AMX_PROMPT_DEFAULT = frozenset({"gate_up", "down"})
+
+
+def amx_prompt(name: str) -> bool:
+    """Whether the projection ``name`` (a fused group's names joined by "/") sends a prompt
+    step's rows, past the decode bound, to the AMX products too, where the CPU has AMX.
+
+    ``FERRY_CPU_AMX_PROMPT``: ``auto`` (default: gate/up and down), ``all``, ``0`` (none:
+    oneDNN takes every prompt row, as before), or a comma list of qkv, o, gate_up, down."""
+    setting = os.environ.get("FERRY_CPU_AMX_PROMPT", "auto").strip().lower()
+    if setting in ("auto", "1", "true", "yes", "on"):
+        kinds: frozenset[str] = AMX_PROMPT_DEFAULT
+    elif setting == "all":
+        kinds = frozenset(PROJECTION_KINDS.values())
+    elif setting in ("0", "false", "no", "off", "none", ""):
+        kinds = frozenset()
+    else:
+        kinds = frozenset(k.strip() for k in setting.split(","))
+        if not kinds <= set(PROJECTION_KINDS.values()):
+            raise ValueError(f"FERRY_CPU_AMX_PROMPT={setting!r}: auto, all, 0 or a comma list of "
+                             f"{', '.join(sorted(set(PROJECTION_KINDS.values())))}")
+    return PROJECTION_KINDS.get(name.rsplit(".", 1)[-1]) in kinds
+
+
 def _tiled_kernels() -> Any | None:
     try:
         from .backends.cpu_paged import load_extension
@@ -381,15 +415,17 @@ def _add_tiled(packed: PackedLinear, weight: torch.Tensor, bias: torch.Tensor | 
     kernels = _tiled_kernels()
     if kernels is None:
         return False
-    packed.add_tiled(weight, kernels, rows)
-    for n in (1, 11):
+    packed.add_tiled(weight, kernels, rows, prompt=amx_prompt(name))
+    # one row and eleven (the tiled kernel's stream and its row blocks); with the AMX products
+    # on every row, 130 too (their prompt path, past the decode bound)
+    for n in (1, 11) + ((130,) if packed.amx_rows >= ALL_ROWS else ()):
         probe = torch.randn(n, packed.in_features, generator=torch.Generator().manual_seed(n)).to(weight.dtype)
         want = F.linear(probe.float(), weight.float(), None if bias is None else bias.float())
-        got = kernels.tiled_linear(probe, packed.tiles, packed._bias32).float()
+        got = packed(probe).float()
         if not bool(torch.all((got - want).abs() <= want.abs() * 2.0**-7 + 1e-3 * want.abs().max())):
-            log.warning("tiled %s differs from its float32 product; oneDNN alone", name)
+            log.warning("tiled %s differs from its float32 product at %d rows; oneDNN alone", name, n)
             packed.remove_tiled()
             return False
-    if rows >= ALL_ROWS:
+    if packed.covers(ALL_ROWS):  # the tiled kernel takes every row, or the AMX products every row past it
         packed.drop_packed()
     return True

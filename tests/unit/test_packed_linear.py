@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.packed_linear import (
+    ALL_ROWS,
     FusedHead,
     FusedPart,
     PackedLinear,
+    amx_prompt,
     fuse_projections,
     pack_linears,
     packing_enabled,
@@ -198,6 +200,88 @@ def test_amx_products_match_the_float32_product(rows: int, shape: tuple[int, int
     gated = k.amx_silu_linear(x, tiles, b)
     assert gated.shape == (rows, out_f // 2)
     assert torch.equal(gated, k.silu_and_mul(got))
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 96)])
+def test_amx_prompt_rows_give_the_bits_of_decode_rows(shape: tuple[int, int]) -> None:
+    """Past the decode bound (a prompt step's rows) the AMX products run another loop nest
+    (run_rows: row blocks split between the threads, which take each other's items, beside a
+    busy process here): every row gives the bits it gives in a product of 100 rows (the decode
+    path), plain and gated, at 129-2,051 rows (a last block of fewer than 32 padded), within a
+    bfloat16 step of the float32 product; the gated product is the product then silu_and_mul."""
+    k = _amx_kernels()
+    in_f, out_f = shape
+    gen = torch.Generator().manual_seed(in_f + out_f)
+    w = torch.randn(out_f, in_f, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_f, generator=gen).to(torch.bfloat16).float()
+    tiles = k.tiled_pack(w)
+    with two_threads_beside_a_busy_process():
+        for rows in (129, 300, 2051):
+            x = torch.randn(rows, in_f, generator=gen).to(torch.bfloat16)
+            assert rows > k.amx_linear_rows() >= 100
+            got, gated = k.amx_linear(x, tiles, b), k.amx_silu_linear(x, tiles, b)
+            pieces = [x[i:i + 100].contiguous() for i in range(0, rows, 100)]
+            assert torch.equal(got, torch.cat([k.amx_linear(p, tiles, b) for p in pieces])), rows
+            assert torch.equal(gated, torch.cat([k.amx_silu_linear(p, tiles, b) for p in pieces])), rows
+            assert torch.equal(gated, k.silu_and_mul(got))
+            want = F.linear(x.float(), w.float(), b)
+            magnitude = F.linear(x.float().abs(), w.float().abs(), b.abs())
+            assert torch.all((got.float() - want).abs() <= want.abs() * 2.0**-8 + magnitude * 2.0**-24)
+
+
+def test_amx_prompt_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRY_CPU_AMX_PROMPT: by default gate/up and down send prompt rows to the AMX products,
+    q/k/v and o_proj (and anything else: the LM head) not; ``all``, ``0`` and a list; anything
+    else is refused by name."""
+    names = ("model.layers.0.mlp.gate_proj/up_proj", "down_proj", "q_proj/k_proj/v_proj", "o_proj", "lm_head")
+    assert [amx_prompt(n) for n in names] == [True, True, False, False, False]
+    for setting, want in (("all", [True, True, True, True, False]), ("0", [False] * 5),
+                          ("qkv, down", [False, True, True, False, False]), ("auto", [True, True, False, False, False])):
+        monkeypatch.setenv("FERRY_CPU_AMX_PROMPT", setting)
+        assert [amx_prompt(n) for n in names] == want, setting
+    monkeypatch.setenv("FERRY_CPU_AMX_PROMPT", "gate_up,mlp")
+    with pytest.raises(ValueError, match="FERRY_CPU_AMX_PROMPT"):
+        amx_prompt("down_proj")
+
+
+@pytest.mark.parametrize("setting", ["auto", "0", "all"])
+def test_prompt_rows_on_the_amx_products_drop_onednn_copy(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    """With AMX, the projections FERRY_CPU_AMX_PROMPT names (by default the fused gate/up and
+    down) send every row past the tiled kernel's to the AMX products, a prompt's 300 too, and
+    drop oneDNN's copy; the others keep it for prompt rows, as ``0`` keeps it everywhere. The
+    model's logits stay within a bfloat16 step of transformers' whichever kernels take them."""
+    k = _amx_kernels()
+    if not _bf16_packing_exact_here():
+        pytest.skip("bfloat16 on AVX2: nothing is packed")
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("FERRY_CPU_AMX_PROMPT", setting)
+    model = AutoModelForCausalLM.from_pretrained(cached_tiny_model("llama"), dtype=torch.bfloat16).eval()
+    fast = copy.deepcopy(model)
+    body = fast.get_decoder()
+    fuse_projections(body, torch.bfloat16, CPU)
+    pack_linears(body, torch.bfloat16, CPU)
+    layer = body.layers[0]
+    projections = {"qkv": layer.self_attn.q_proj.fused, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_proj.fused,
+                   "down": layer.mlp.down_proj}
+    on = {"auto": {"gate_up", "down"}, "0": set(), "all": set(projections)}[setting]
+    for kind, m in projections.items():
+        assert isinstance(m, PackedLinear) and m.tiles is not None, kind
+        assert (m.packed is None) == (kind in on) and (m.amx_rows == ALL_ROWS) == (kind in on), kind
+        assert m.amx_rows >= k.amx_linear_rows()
+        assert ("AMX past them" in m.extra_repr()) == (kind in on)
+        x = torch.randn(300, m.in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        with torch.no_grad():
+            got = m(x)
+            if kind in on:
+                assert torch.equal(got, k.amx_linear(x, m.tiles, m._bias32))
+            else:
+                assert m.packed is not None
+                assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], ""))
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want, got = model(ids).logits.float(), fast(ids).logits.float()
+    assert torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
 
 
 def test_amx_products_off_and_on() -> None:

@@ -336,14 +336,16 @@ void tiled_prefetch(bool on) { tiled::prefetch_next = on; }
 // not run ahead of it: at 32 rows oneDNN's packed product read the weight at 12.8 GB/s, this
 // at 21.6).
 // Past 32 rows each group runs against every 32 rows in turn, its tiles in L2 after the first
-// (see run). Sums in float32 from zero, the bias added once, rounded once: a row's result does
-// not depend on the other rows.
+// (see run); past 128 (a prompt step's rows, for the projections packed_linear.py sends them)
+// the rows are split between the threads instead (run_rows). Sums in float32 from zero, the
+// bias added once, rounded once: a row's result does not depend on the other rows.
 namespace tiled_amx_ns {
 inline bool enabled = true;  // tiled_amx sets it
-// The most rows the AMX products take (decode steps); past it oneDNN's, as before. Against
-// oneDNN's packed products on the model's 30 layers: 0.77-0.78x the time at 7-16 rows, 0.59x
-// at 32, 0.88-0.89x at 33-48, 0.74x at 64, 0.84x at 128 (docs/benchmarks.md); at a prompt
-// step's 2,048 rows this simple pass is slower than oneDNN (not blocked for L2), so oneDNN's.
+// The most rows the decode path (run's group split) takes; amx_linear_rows() reports it, the
+// bound decode_layers keeps its AMX products to. Against oneDNN's packed products on the
+// model's 30 layers: 0.77-0.78x the time at 7-16 rows, 0.59x at 32, 0.88-0.89x at 33-48, 0.74x
+// at 64, 0.84x at 128 (docs/benchmarks.md). More rows take run_rows (a prompt step's; the
+// projections that send them here are chosen in packed_linear.py).
 constexpr int64_t MAX_ROWS = 128;
 #if FERRY_AMX
 // rows [r0, r0 + 32) of xb (row stride K elements) against B tiles b0, b1 (k2 * 16 words each),
@@ -381,6 +383,63 @@ static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const
   _tile_stored(3, c[3], 64);
 }
 
+// rows [0, 32) of x (row stride K elements) against B tiles b0, b1: pair's sums, each step's
+// tile loads and products interleaved (a product starts once its two tiles are in: 4-9 %
+// faster than four loads then four products at 2,048 rows), for run_rows, whose operands
+// are in L2 (requesting the next rows' or the next groups' lines ahead changed nothing there).
+static inline void pair_resident(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, float (*c)[256]) {
+  const int64_t ks = K / 32;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < ks; ++s) {
+    _tile_loadd(4, x + s * 32, K * 2);
+    _tile_loadd(6, b0 + s * 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1 + s * 1024, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, x + 16 * K + s * 32, K * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+}
+
+// More rows than a decode step's (past MAX_ROWS: a prompt step's, or a prompt chunk beside
+// decodes): items of up to ROW_BLOCKS 32-row blocks (590 KB of rows at K = 576, kept in L2)
+// against up to 8 groups (their tiles in L2 too), each 32 rows against every group of the item
+// in turn; an item's row chunk is read from memory once and its groups once per row chunk.
+// parallel_stealing hands the items out, those of one row chunk next to each other; where the
+// rows are few, groups go 2-8 an item so each thread has at least four. Split by groups instead
+// (as run is), both threads read every row (2.4 MB at 2,048 x 576) and the products ran 0.6-0.9x
+// oneDNN's; 8 row blocks an item ran 2-4 % slower than 16, 24 about 8 %. Each sum is the same
+// products in the same order as in run, so a row's result does not depend on the step's rows.
+constexpr int64_t ROW_BLOCKS = 16;
+template <typename Rows, typename Tile, typename Epilogue>
+static void run_rows(Rows rows, int64_t mp, int64_t K, int64_t groups, Tile tile, Epilogue epilogue) {
+  const int64_t blocks = mp / 32, row_chunks = (blocks + ROW_BLOCKS - 1) / ROW_BLOCKS;
+  const int64_t want = (4 * at::get_num_threads() + row_chunks - 1) / row_chunks;  // group chunks a row chunk
+  const int64_t group_block = std::clamp<int64_t>((groups + want - 1) / want, 2, 8);
+  const int64_t group_chunks = (groups + group_block - 1) / group_block;
+  parallel_stealing(row_chunks * group_chunks, [&](int64_t item) {
+    const int64_t rc = item / group_chunks, gc = item % group_chunks;
+    const int64_t g0 = gc * group_block, g1 = std::min(groups, g0 + group_block);
+    const int64_t b0 = rc * ROW_BLOCKS, b1 = std::min(blocks, b0 + ROW_BLOCKS);
+    amx_configure();
+    alignas(64) float c[4][256];
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t g = g0; g < g1; ++g) {
+        pair_resident(rows(32 * b), K, tile(g, 0), tile(g, 1), c);
+        epilogue(g, 32 * b, c);
+      }
+    _tile_release();
+  });
+}
+
 // groups [0, groups): group g's B tiles tile(g, 0) and tile(g, 1); epilogue(g, r0, c) stores
 // rows [r0, r0 + 32) of its four sum blocks. Up to 32 rows, each group's next steps (and the
 // next group's first) are requested into L1 ahead of their tile loads; past 32 rows the rows'
@@ -389,7 +448,8 @@ static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const
 //
 // x: the rows, m of them; a last block of fewer than 32 is copied into a zero-padded buffer
 // (the tile loads read 32 rows), the others read in place: a padded copy of all of x, a tensor
-// allocated per call, cost 1-2 ms of a 64-request step at 33-63 rows.
+// allocated per call, cost 1-2 ms of a 64-request step at 33-63 rows. More than MAX_ROWS rows
+// go to run_rows.
 template <typename Tile, typename Epilogue>
 static void run(const c10::BFloat16* x, int64_t m, int64_t K, int64_t groups, Tile tile, Epilogue epilogue) {
   const int64_t full = m / 32 * 32, mp = (m + 31) / 32 * 32;
@@ -400,6 +460,7 @@ static void run(const c10::BFloat16* x, int64_t m, int64_t K, int64_t groups, Ti
   }
   const c10::BFloat16* tail_rows = tail.data();
   auto rows = [&](int64_t r0) { return r0 < full ? x + r0 * K : tail_rows; };
+  if (m > MAX_ROWS) return run_rows(rows, mp, K, groups, tile, epilogue);
   const bool ahead = mp <= 32;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     amx_configure();
