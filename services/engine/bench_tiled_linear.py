@@ -14,6 +14,11 @@ Two measurements, each alternating both paths round by round on the same data (a
   decode step with all B requests decoding, and per prompt step (a step with prompt tokens);
 - ``prefetch`` (not in the default): the tiled kernel's next-group weight prefetch on and
   off, the 30 layers' products and the LM head at M rows.
+- ``prompt`` (not in the default; AMX only): a prompt step's products at M rows (past the
+  decode path's 128), per projection over the 30 layers, oneDNN's packed product (gate/up
+  followed by ``silu_and_mul``) against the AMX products (gate/up with the SiLU on the
+  accumulators), with the worker's heap settings (shared/heap.py); what
+  ``FERRY_CPU_AMX_PROMPT`` chooses from.
 
     python -m services.engine.bench_tiled_linear --out /tmp/b/tiled-linear.json
 
@@ -93,6 +98,54 @@ def run_linears(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, An
               f"{row['head_onednn_ms']} ms, tiled {row['head_tiled_ms']} ms"
               + (f"; AMX {row['amx_ms']} ms ({row['amx_gb_s']} GB/s), x{row['onednn_ms'] / row['amx_ms']:.2f} of oneDNN"
                  if use_amx else ""), flush=True)
+        out.append(row)
+    return out
+
+
+def run_prompt(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, Any]]:
+    from shared.heap import keep_freed_memory
+
+    keep_freed_memory()  # as the worker: a step's freed buffers are reused, not faulted in again
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    kinds = ("qkv", "o", "gate_up", "down")
+    weights = [[torch.randn(n, k, generator=gen).to(dt) for k, n in SHAPES] for _ in range(LAYERS)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
+    tiles = [[kernels.tiled_pack(w) for w in layer] for layer in weights]
+    empty = torch.empty(0)
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen).to(dt) for k in {k for k, _ in SHAPES}}
+
+        def onednn(i: int) -> None:
+            x = xs[SHAPES[i][0]]
+            for layer in packed:
+                y = torch.ops.mkldnn._linear_pointwise(x, layer[i], None, "none", [], "")
+                if kinds[i] == "gate_up":
+                    kernels.silu_and_mul(y)
+
+        def amx(i: int) -> None:
+            x = xs[SHAPES[i][0]]
+            product = kernels.amx_silu_linear if kinds[i] == "gate_up" else kernels.amx_linear
+            for layer in tiles:
+                product(x, layer[i], empty)
+
+        times: dict[str, list[float]] = {f"{kind}_{arm}": [] for kind in kinds for arm in ("onednn", "amx")}
+        for _ in range(rounds):
+            for i, kind in enumerate(kinds):
+                for arm, fn in (("onednn", onednn), ("amx", amx)):
+                    fn(i)
+                    t0 = time.perf_counter()
+                    fn(i)
+                    times[f"{kind}_{arm}"].append(time.perf_counter() - t0)
+        row: dict[str, Any] = {"rows": m, **{f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in times.items()}}
+        for arm in ("onednn", "amx"):
+            row[f"total_{arm}_ms"] = round(sum(row[f"{kind}_{arm}_ms"] for kind in kinds), 2)
+        ratios = {kind: row[f"{kind}_onednn_ms"] / row[f"{kind}_amx_ms"] for kind in (*kinds, "total")}
+        row.update({f"{kind}_speedup": round(r, 3) for kind, r in ratios.items()})
+        print(f"prompt products, {m} rows, {LAYERS} layers (oneDNN ms / AMX ms = speed-up): "
+              + ", ".join(f"{kind} {row[f'{kind}_onednn_ms']}/{row[f'{kind}_amx_ms']} = x{ratios[kind]:.2f}"
+                          for kind in (*kinds, "total")), flush=True)
         out.append(row)
     return out
 
@@ -190,8 +243,9 @@ def run_prefetch(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="linears,steps", help="linears, steps, prefetch (comma-separated)")
+    p.add_argument("--parts", default="linears,steps", help="linears, steps, prefetch, prompt (comma-separated)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,2048", help="rows per product (linears)")
+    p.add_argument("--prompt-rows", default="140,205,264,512,1024,2048", help="rows per product (prompt)")
     p.add_argument("--batches", default="1,4,16,64", help="requests decoding together (steps)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -210,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         result["linears"] = run_linears(kernels, [int(x) for x in args.rows.split(",")], args.rounds)
     if "prefetch" in parts:
         result["prefetch"] = run_prefetch(kernels, [int(x) for x in args.rows.split(",")], args.rounds)
+    if "prompt" in parts:
+        if not kernels.tiled_amx(-1):
+            print("prompt: no AMX products here")
+        else:
+            rows = args.prompt_rows.split(",")
+            result["prompt"] = run_prompt(kernels, [int(x) for x in rows], args.rounds)
     if "steps" in parts:
         result["steps"] = run_steps([int(x) for x in args.batches.split(",")], args.rounds, args.threads)
     write_json(args.out, result)

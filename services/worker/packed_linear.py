@@ -362,12 +362,13 @@ def amx_rows(kernels: Any) -> int:
 
 
 PROJECTION_KINDS = {"q_proj/k_proj/v_proj": "qkv", "o_proj": "o", "gate_proj/up_proj": "gate_up", "down_proj": "down"}
-# The projections whose prompt rows the AMX products take by default: where they ran level
-# with oneDNN's packed kernels or faster at every size measured (the gated gate/up product,
-# its activation on the accumulators, 1.04x in a prompt step; down 1.06x at 2,048 rows, 1.5x
-# at 264-512), so oneDNN's copy of their weights is dropped. q/k/v (0.84-0.9x) and o_proj
-# (0.93-0.96x at 264 and 2,048 rows) keep oneDNN's for prompts (docs/benchmarks.md, "Prompt
-# rows on the AMX products").
+# The projections whose prompt rows the AMX products take by default, and whose oneDNN copy
+# is therefore dropped (-152 MiB on SmolLM2-135M): against oneDNN's packed kernels over the
+# model's 30 layers (bench_tiled_linear --parts prompt, the AMX Xeon) the gated gate/up product
+# (its SiLU on the accumulators; oneDNN's followed by silu_and_mul) ran 0.99-1.09x at 140-2,048
+# rows, down 1.2-1.85x at 264-1,024 and 0.86-0.97x at 140-205 and 2,048; prompt steps of the
+# common load ran level. q/k/v (0.77-0.93x but for 1,024 rows) and o_proj (0.88-0.92x at 205,
+# 264 and 2,048) keep oneDNN's (docs/benchmarks.md, "Prompt rows on the AMX products").
 AMX_PROMPT_DEFAULT = frozenset({"gate_up", "down"})
 
 
