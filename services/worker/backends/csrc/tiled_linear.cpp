@@ -368,32 +368,8 @@ static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const
         _mm_prefetch(p0 + 64 * l, _MM_HINT_T0);
         _mm_prefetch(p1 + 64 * l, _MM_HINT_T0);
       }
-    _tile_loadd(4, x + s * 32, K * 2);
-    _tile_loadd(5, x + 16 * K + s * 32, K * 2);
-    _tile_loadd(6, b0 + s * 1024, 64);
-    _tile_loadd(7, b1 + s * 1024, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, c[0], 64);
-  _tile_stored(1, c[1], 64);
-  _tile_stored(2, c[2], 64);
-  _tile_stored(3, c[3], 64);
-}
-
-// rows [0, 32) of x (row stride K elements) against B tiles b0, b1: pair's sums, each step's
-// tile loads and products interleaved (a product starts once its two tiles are in: 4-9 %
-// faster than four loads then four products at 2,048 rows), for run_rows, whose operands
-// are in L2 (requesting the next rows' or the next groups' lines ahead changed nothing there).
-static inline void pair_resident(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, float (*c)[256]) {
-  const int64_t ks = K / 32;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t s = 0; s < ks; ++s) {
+    // loads and products interleaved, each product issued once its two tiles are in: 4-9 %
+    // faster than four loads then four products at 2,048 rows (run_rows), 0-4 % at 8-128
     _tile_loadd(4, x + s * 32, K * 2);
     _tile_loadd(6, b0 + s * 1024, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -412,7 +388,9 @@ static inline void pair_resident(const c10::BFloat16* x, int64_t K, const char* 
 // More rows than a decode step's (past MAX_ROWS: a prompt step's, or a prompt chunk beside
 // decodes): items of up to ROW_BLOCKS 32-row blocks (590 KB of rows at K = 576, kept in L2)
 // against up to 8 groups (their tiles in L2 too), each 32 rows against every group of the item
-// in turn; an item's row chunk is read from memory once and its groups once per row chunk.
+// in turn, nothing requested ahead (the next item's tiles or the next rows requested over the
+// current item changed nothing); an item's rows are read from memory once, its groups once per
+// row chunk.
 // parallel_stealing hands the items out, those of one row chunk next to each other; where the
 // rows are few, groups go 2-8 an item so each thread has at least four. Split by groups instead
 // (as run is), both threads read every row (2.4 MB at 2,048 x 576) and the products ran 0.6-0.9x
@@ -433,7 +411,7 @@ static void run_rows(Rows rows, int64_t mp, int64_t K, int64_t groups, Tile tile
     alignas(64) float c[4][256];
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t g = g0; g < g1; ++g) {
-        pair_resident(rows(32 * b), K, tile(g, 0), tile(g, 1), c);
+        pair(rows(32 * b), K, tile(g, 0), tile(g, 1), nullptr, nullptr, false, c);
         epilogue(g, 32 * b, c);
       }
     _tile_release();
