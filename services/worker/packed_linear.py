@@ -363,21 +363,21 @@ def amx_rows(kernels: Any) -> int:
 
 PROJECTION_KINDS = {"q_proj/k_proj/v_proj": "qkv", "o_proj": "o", "gate_proj/up_proj": "gate_up", "down_proj": "down"}
 # The projections whose prompt rows the AMX products take by default, and whose oneDNN copy
-# is therefore dropped (-152 MiB on SmolLM2-135M): against oneDNN's packed kernels over the
-# model's 30 layers (bench_tiled_linear --parts prompt, the AMX Xeon) the gated gate/up product
-# (its SiLU on the accumulators; oneDNN's followed by silu_and_mul) ran 0.99-1.09x at 140-2,048
-# rows, down 1.2-1.85x at 264-1,024 and 0.86-0.97x at 140-205 and 2,048; prompt steps of the
-# common load ran level. q/k/v (0.77-0.93x but for 1,024 rows) and o_proj (0.88-0.92x at 205,
-# 264 and 2,048) keep oneDNN's (docs/benchmarks.md, "Prompt rows on the AMX products").
-AMX_PROMPT_DEFAULT = frozenset({"gate_up", "down"})
+# is therefore dropped: all four (-203 MiB on SmolLM2-135M, no oneDNN copy of a body weight
+# left). Since each pair's epilogue runs under the next pair's products and the rows stream past
+# the tiles a thread keeps in L1 (tiled_linear.cpp), the offline common load's prompt steps ran
+# level with q/k/v and o_proj on oneDNN or on the AMX products, and single 140-264-token prompts
+# level or faster on the AMX products (docs/benchmarks.md, "The epilogue under the next
+# products"); before that q/k/v (0.77-0.93x oneDNN) and o_proj kept oneDNN's copies.
+AMX_PROMPT_DEFAULT = frozenset(PROJECTION_KINDS.values())
 
 
 def amx_prompt(name: str) -> bool:
     """Whether the projection ``name`` (a fused group's names joined by "/") sends a prompt
     step's rows, past the decode bound, to the AMX products too, where the CPU has AMX.
 
-    ``FERRY_CPU_AMX_PROMPT``: ``auto`` (default: gate/up and down), ``all``, ``0`` (none:
-    oneDNN takes every prompt row, as before), or a comma list of qkv, o, gate_up, down."""
+    ``FERRY_CPU_AMX_PROMPT``: ``auto`` (default) or ``all``: every projection; ``0`` (none:
+    oneDNN takes every prompt row and keeps its copies), or a comma list of qkv, o, gate_up, down."""
     setting = os.environ.get("FERRY_CPU_AMX_PROMPT", "auto").strip().lower()
     if setting in ("auto", "1", "true", "yes", "on"):
         kinds: frozenset[str] = AMX_PROMPT_DEFAULT

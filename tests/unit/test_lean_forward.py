@@ -175,7 +175,7 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(monkeypatch: pytest.Monke
     assert one_call is not None and loop is not None and one_call.decode_args is not None
     assert one_call.decode_args.rows == (2 if split else 1 << 62) or not split and cpu_paged.cpu_flag("amx_bf16")
     if split != "onednn" and ops.tiled_amx(-1):
-        # the AMX products take gate/up's and down's prompt rows too (FERRY_CPU_AMX_PROMPT's
+        # the AMX products take every projection's prompt rows too (FERRY_CPU_AMX_PROMPT's
         # default), which dropped oneDNN's copies: the call takes every step up to their bound
         assert one_call.decode_args.packed == [] and one_call.decode_args.amx_rows == ops.amx_linear_rows() > 5
     else:

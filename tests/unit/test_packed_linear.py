@@ -230,13 +230,14 @@ def test_amx_prompt_rows_give_the_bits_of_decode_rows(shape: tuple[int, int]) ->
 
 
 def test_amx_prompt_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FERRY_CPU_AMX_PROMPT: by default gate/up and down send prompt rows to the AMX products,
-    q/k/v and o_proj (and anything else: the LM head) not; ``all``, ``0`` and a list; anything
-    else is refused by name."""
+    """FERRY_CPU_AMX_PROMPT: by default every projection of a layer sends prompt rows to the AMX
+    products (anything else, the LM head, not); ``0`` none, a list those named; anything else is
+    refused by name."""
     names = ("model.layers.0.mlp.gate_proj/up_proj", "down_proj", "q_proj/k_proj/v_proj", "o_proj", "lm_head")
-    assert [amx_prompt(n) for n in names] == [True, True, False, False, False]
+    assert [amx_prompt(n) for n in names] == [True, True, True, True, False]
     for setting, want in (("all", [True, True, True, True, False]), ("0", [False] * 5),
-                          ("qkv, down", [False, True, True, False, False]), ("auto", [True, True, False, False, False])):
+                          ("qkv, down", [False, True, True, False, False]), ("auto", [True, True, True, True, False]),
+                          ("gate_up,down", [True, True, False, False, False])):
         monkeypatch.setenv("FERRY_CPU_AMX_PROMPT", setting)
         assert [amx_prompt(n) for n in names] == want, setting
     monkeypatch.setenv("FERRY_CPU_AMX_PROMPT", "gate_up,mlp")
@@ -244,11 +245,11 @@ def test_amx_prompt_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         amx_prompt("down_proj")
 
 
-@pytest.mark.parametrize("setting", ["auto", "0", "all"])
+@pytest.mark.parametrize("setting", ["auto", "0", "gate_up,down"])
 def test_prompt_rows_on_the_amx_products_drop_onednn_copy(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
-    """With AMX, the projections FERRY_CPU_AMX_PROMPT names (by default the fused gate/up and
-    down) send every row past the tiled kernel's to the AMX products, a prompt's 300 too, and
-    drop oneDNN's copy; the others keep it for prompt rows, as ``0`` keeps it everywhere. The
+    """With AMX, the projections FERRY_CPU_AMX_PROMPT names (by default all four) send every row
+    past the tiled kernel's to the AMX products, a prompt's 300 too, and drop oneDNN's copy; the
+    others keep it for prompt rows, as ``0`` keeps it everywhere. The
     model's logits stay within a bfloat16 step of transformers' whichever kernels take them."""
     k = _amx_kernels()
     if not _bf16_packing_exact_here():
@@ -264,7 +265,7 @@ def test_prompt_rows_on_the_amx_products_drop_onednn_copy(monkeypatch: pytest.Mo
     layer = body.layers[0]
     projections = {"qkv": layer.self_attn.q_proj.fused, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_proj.fused,
                    "down": layer.mlp.down_proj}
-    on = {"auto": {"gate_up", "down"}, "0": set(), "all": set(projections)}[setting]
+    on = {"auto": set(projections), "0": set(), "gate_up,down": {"gate_up", "down"}}[setting]
     for kind, m in projections.items():
         assert isinstance(m, PackedLinear) and m.tiles is not None, kind
         assert (m.packed is None) == (kind in on) and (m.amx_rows == ALL_ROWS) == (kind in on), kind

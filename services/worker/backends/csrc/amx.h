@@ -22,10 +22,16 @@ struct alignas(64) AmxTileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+// One configuration for the process, held in static storage: built on the stack beside the
+// caller's loop, GCC 12 dropped its stores of the column and row sizes (it does not see
+// LDTILECFG read them), and the load then faulted on an all-zero shape.
 static inline void amx_configure() {
-  AmxTileConfig c;
-  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
-  _tile_loadconfig(&c);
+  static const AmxTileConfig config = [] {
+    AmxTileConfig c;
+    for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+    return c;
+  }();
+  _tile_loadconfig(&config);
 }
 #else
 #define FERRY_AMX 0

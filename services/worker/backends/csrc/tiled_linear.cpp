@@ -348,11 +348,27 @@ inline bool enabled = true;  // tiled_amx sets it
 // projections that send them here are chosen in packed_linear.py).
 constexpr int64_t MAX_ROWS = 128;
 #if FERRY_AMX
+// The previous pair's epilogue, run in slices under the next pair's tile products (side): the
+// tile unit works through its products while the vector units add the bias, round and store
+// the last pair's sums. After its pair instead, the SiLU epilogue cost a 2,048-row gated product
+// ~45 % (two cores: 1.8 TFLOP/s with it, 3.4 with no epilogue at all); spread over the next
+// pair's k-steps, 2.3. Stores still slow the tile loads that follow them (q/k/v: 2.4-2.6
+// TFLOP/s storing its results, 2.75 storing to an L1 scratch, 3.1 storing nothing); stores in
+// bursts of 4-32 rows instead of ~2 a k-step, or the output lines requested for writing ahead,
+// were no faster. (docs/benchmarks.md, "The epilogue under the next products".)
+struct NoSide {
+  void operator()(int64_t, int64_t) const {}
+};
+
 // rows [r0, r0 + 32) of xb (row stride K elements) against B tiles b0, b1 (k2 * 16 words each),
 // sums stored to c (four 16 x 16 float32 blocks: rows 0-15 x b0, rows 0-15 x b1, rows 16-31 x
-// b0, rows 16-31 x b1); n0, n1: what the thread reads next (their first steps requested at the end)
+// b0, rows 16-31 x b1); n0, n1: what the thread reads next (their first steps requested at the end).
+// side(lo, hi) after each k-step's products: rows [lo, hi) of 32 spread over the k-steps.
+// STREAM_A: the rows' tiles loaded with the streaming hint (TILELOADDT1), so the B tiles a thread
+// keeps reusing stay in L1 while the rows pass through (run_rows: 2,048 rows of q/k/v 1.25x).
+template <bool STREAM_A = false, typename Side = NoSide>
 static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, const char* n0,
-                        const char* n1, bool ahead, float (*c)[256]) {
+                        const char* n1, bool ahead, float (*c)[256], Side&& side = Side()) {
   constexpr int64_t AHEAD = 2;  // k-steps (measured: 1-8 alike at 32 rows, none 8 % slower)
   const int64_t ks = K / 32;
   _tile_zero(0);
@@ -370,14 +386,17 @@ static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const
       }
     // loads and products interleaved, each product issued once its two tiles are in: 4-9 %
     // faster than four loads then four products at 2,048 rows (run_rows), 0-4 % at 8-128
-    _tile_loadd(4, x + s * 32, K * 2);
+    if constexpr (STREAM_A) _tile_stream_loadd(4, x + s * 32, K * 2);
+    else _tile_loadd(4, x + s * 32, K * 2);
     _tile_loadd(6, b0 + s * 1024, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_loadd(7, b1 + s * 1024, 64);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, x + 16 * K + s * 32, K * 2);
+    if constexpr (STREAM_A) _tile_stream_loadd(5, x + 16 * K + s * 32, K * 2);
+    else _tile_loadd(5, x + 16 * K + s * 32, K * 2);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
+    side(s * 32 / ks, (s + 1) * 32 / ks);
   }
   _tile_stored(0, c[0], 64);
   _tile_stored(1, c[1], 64);
@@ -385,12 +404,42 @@ static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const
   _tile_stored(3, c[3], 64);
 }
 
+// Pairs in turn, each one's epilogue under the next one's products: call(r0, g, b) for each
+// pair (rows from r0, group g; the pair's sums into b), then finish() for the last epilogue.
+template <typename Epilogue>
+struct Pipelined {
+  explicit Pipelined(Epilogue& e) : epilogue(e) {}  // the sums' buffers left uninitialized
+  Epilogue& epilogue;
+  alignas(64) float c[2][4][256];
+  int cur = 0;
+  int64_t pg = -1, pr = 0;  // the previous pair's group and first row; -1: none yet
+  template <bool STREAM_A = false>
+  void step(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, const char* n0, const char* n1,
+            bool ahead, int64_t g, int64_t r0) {
+    float (*prev)[256] = c[cur ^ 1];
+    if (pg >= 0)
+      pair<STREAM_A>(x, K, b0, b1, n0, n1, ahead, c[cur], [&](int64_t lo, int64_t hi) {
+        if (lo < hi) epilogue(pg, pr, prev, lo, hi);
+      });
+    else
+      pair<STREAM_A>(x, K, b0, b1, n0, n1, ahead, c[cur]);
+    pg = g, pr = r0, cur ^= 1;
+  }
+  void finish() {
+    if (pg >= 0) epilogue(pg, pr, c[cur ^ 1], 0, 32);
+    pg = -1;
+  }
+};
+
 // More rows than a decode step's (past MAX_ROWS: a prompt step's, or a prompt chunk beside
 // decodes): items of up to ROW_BLOCKS 32-row blocks (590 KB of rows at K = 576, kept in L2)
-// against up to 8 groups (their tiles in L2 too), each 32 rows against every group of the item
-// in turn, nothing requested ahead (the next item's tiles or the next rows requested over the
-// current item changed nothing); an item's rows are read from memory once, its groups once per
-// row chunk.
+// against up to 8 groups, each group against every 32 rows of the item in turn: the group's
+// tiles (36 KB at K = 576) stay in L1 while the rows pass through with the streaming hint.
+// Rows outside and groups inside, or every tile loaded alike, both operands came from L2 at each
+// k-step: 2,048 rows of q/k/v ran 2.1 TFLOP/s on two cores against 2.6 (o_proj 2.2 against 2.7;
+// down, K = 1,536, whose tiles do not fit L1, level). Nothing requested ahead (the next item's
+// tiles or the next rows requested over the current item changed nothing); an item's rows are
+// read from memory once, its groups once per row chunk.
 // parallel_stealing hands the items out, those of one row chunk next to each other; where the
 // rows are few, groups go 2-8 an item so each thread has at least four. Split by groups instead
 // (as run is), both threads read every row (2.4 MB at 2,048 x 576) and the products ran 0.6-0.9x
@@ -408,18 +457,17 @@ static void run_rows(Rows rows, int64_t mp, int64_t K, int64_t groups, Tile tile
     const int64_t g0 = gc * group_block, g1 = std::min(groups, g0 + group_block);
     const int64_t b0 = rc * ROW_BLOCKS, b1 = std::min(blocks, b0 + ROW_BLOCKS);
     amx_configure();
-    alignas(64) float c[4][256];
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t g = g0; g < g1; ++g) {
-        pair(rows(32 * b), K, tile(g, 0), tile(g, 1), nullptr, nullptr, false, c);
-        epilogue(g, 32 * b, c);
-      }
+    Pipelined<Epilogue> pipe(epilogue);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = b0; b < b1; ++b)
+        pipe.template step<true>(rows(32 * b), K, tile(g, 0), tile(g, 1), nullptr, nullptr, false, g, 32 * b);
+    pipe.finish();
     _tile_release();
   });
 }
 
-// groups [0, groups): group g's B tiles tile(g, 0) and tile(g, 1); epilogue(g, r0, c) stores
-// rows [r0, r0 + 32) of its four sum blocks. Up to 32 rows, each group's next steps (and the
+// groups [0, groups): group g's B tiles tile(g, 0) and tile(g, 1); epilogue(g, r0, c, lo, hi)
+// stores rows [r0 + lo, r0 + hi) of its four sum blocks (lo, hi within 0-32). Up to 32 rows, each group's next steps (and the
 // next group's first) are requested into L1 ahead of their tile loads; past 32 rows the rows'
 // A tiles no longer fit L1 beside them and the requests cost more than they gave (64 rows:
 // 16.3 ms a step with them, 13.3 without, blocks of groups kept in L2 for every 32 rows alike).
@@ -442,14 +490,14 @@ static void run(const c10::BFloat16* x, int64_t m, int64_t K, int64_t groups, Ti
   const bool ahead = mp <= 32;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     amx_configure();
-    alignas(64) float c[4][256];
+    Pipelined<Epilogue> pipe(epilogue);
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t r0 = 0; r0 < mp; r0 += 32) {
         const bool next = ahead && g + 1 < g1;
-        pair(rows(r0), K, tile(g, 0), tile(g, 1), next ? tile(g + 1, 0) : nullptr, next ? tile(g + 1, 1) : nullptr,
-             ahead, c);
-        epilogue(g, r0, c);
+        pipe.step(rows(r0), K, tile(g, 0), tile(g, 1), next ? tile(g + 1, 0) : nullptr,
+                  next ? tile(g + 1, 1) : nullptr, ahead, g, r0);
       }
+    pipe.finish();
     _tile_release();
   });
 }
@@ -489,13 +537,14 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bia
   const float* bias_p = c.bias;
   tiled_amx_ns::run(x.data_ptr<c10::BFloat16>(), m, K, n / 32,
       [&](int64_t g, int q) { return tp + (2 * g + q) * tile_bytes; },
-      [&](int64_t g, int64_t r0, float (*s)[256]) {
-        for (int q = 0; q < 2; ++q) {
-          const int64_t o = (2 * g + q) * 16;
-          const __m512 b = bias_p ? _mm512_loadu_ps(bias_p + o) : _mm512_setzero_ps();
-          for (int h = 0; h < 2; ++h)
-            for (int64_t r = 0; r < 16 && r0 + 16 * h + r < m; ++r)
-              store16(yp + (r0 + 16 * h + r) * n + o, _mm512_add_ps(_mm512_load_ps(s[2 * h + q] + 16 * r), b));
+      [&](int64_t g, int64_t r0, float (*s)[256], int64_t lo, int64_t hi) {
+        const int64_t o = 32 * g;
+        const __m512 b0 = bias_p ? _mm512_loadu_ps(bias_p + o) : _mm512_setzero_ps();
+        const __m512 b1 = bias_p ? _mm512_loadu_ps(bias_p + o + 16) : _mm512_setzero_ps();
+        for (int64_t i = lo; i < std::min(hi, m - r0); ++i) {
+          const int64_t h = i >> 4, r = i & 15;
+          store16(yp + (r0 + i) * n + o, _mm512_add_ps(_mm512_load_ps(s[2 * h] + 16 * r), b0));
+          store16(yp + (r0 + i) * n + o + 16, _mm512_add_ps(_mm512_load_ps(s[2 * h + 1] + 16 * r), b1));
         }
       });
 #endif
@@ -518,16 +567,16 @@ torch::Tensor amx_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tenso
   const float* bias_p = c.bias;
   tiled_amx_ns::run(x.data_ptr<c10::BFloat16>(), m, K, half,
       [&](int64_t g, int q) { return tp + (g + q * half) * tile_bytes; },
-      [&](int64_t g, int64_t r0, float (*s)[256]) {
+      [&](int64_t g, int64_t r0, float (*s)[256], int64_t lo, int64_t hi) {
         const int64_t o = g * 16;
         const __m512 gb = bias_p ? _mm512_loadu_ps(bias_p + o) : _mm512_setzero_ps();
         const __m512 ub = bias_p ? _mm512_loadu_ps(bias_p + width + o) : _mm512_setzero_ps();
-        for (int h = 0; h < 2; ++h)
-          for (int64_t r = 0; r < 16 && r0 + 16 * h + r < m; ++r) {
-            const __m512 gv = _mm512_add_ps(_mm512_load_ps(s[2 * h] + 16 * r), gb);
-            const __m512 uv = _mm512_add_ps(_mm512_load_ps(s[2 * h + 1] + 16 * r), ub);
-            store16(yp + (r0 + 16 * h + r) * width + o, _mm512_mul_ps(round_bf16(silu16(round_bf16(gv))), round_bf16(uv)));
-          }
+        for (int64_t i = lo; i < std::min(hi, m - r0); ++i) {
+          const int64_t h = i >> 4, r = i & 15;
+          const __m512 gv = _mm512_add_ps(_mm512_load_ps(s[2 * h] + 16 * r), gb);
+          const __m512 uv = _mm512_add_ps(_mm512_load_ps(s[2 * h + 1] + 16 * r), ub);
+          store16(yp + (r0 + i) * width + o, _mm512_mul_ps(round_bf16(silu16(round_bf16(gv))), round_bf16(uv)));
+        }
       });
 #endif
   return y;
