@@ -14,7 +14,10 @@ same data in alternating rounds, reporting each one's median over the rounds:
 - ``mixed``: decode steps whose contexts differ widely (one long conversation among short
   ones), where the split of work between threads matters;
 - ``prefill``: fresh prompts through the causal prompt kernel (8 x 200 tokens, 10 x 200 + 48,
-  one 1,000-token prompt, four uneven ones, one of 1,000 tokens beside ten of 100).
+  one 1,000-token prompt, four uneven ones, one of 1,000 tokens beside ten of 100);
+- ``linear`` (not by default; a CPU with AMX): the AMX tile products of SmolLM2-135M's four
+  projections (q/k/v, o_proj, gate/up with its SiLU, down) over ``--layers`` layers' own
+  weights at each of ``--linear-rows`` row counts (decode steps' 8-128, prompt steps' past 128).
 
     git worktree add /tmp/wt_base HEAD~1
     python -m services.engine.bench_kernels_ab --base /tmp/wt_base --out /tmp/b/kernels-ab.json
@@ -205,10 +208,58 @@ def run_prefill(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[
     return rows
 
 
+# SmolLM2-135M's projections (in, out): fused q/k/v, o_proj, fused gate/up (with SiLU), down
+LINEAR_SHAPES = (("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576))
+
+
+def run_linear(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The AMX tile products (``amx_linear``, ``amx_silu_linear`` for gate/up) of both builds
+    on the same tiles, ``--layers`` layers of each projection (each its own weight) per call."""
+    from shared.heap import keep_freed_memory
+
+    if not all(k.tiled_amx(-1) for k in kernels.values()):
+        print("linear: no AMX tile products here (CPU or build); skipped", flush=True)
+        return []
+    keep_freed_memory()  # as the worker: a step's freed buffers are reused, not faulted in again
+    rows = []
+    gen = torch.Generator().manual_seed(2)
+    pack = kernels["base"].tiled_pack
+    tiles = {name: [pack(torch.randn(n, k, generator=gen).to(torch.bfloat16)) for _ in range(args.layers)]
+             for name, k, n in LINEAR_SHAPES}
+    empty = torch.empty(0)
+    for m in [int(x) for x in args.linear_rows.split(",")]:
+        for name, k_in, _ in LINEAR_SHAPES:
+            x = torch.randn(m, k_in, generator=gen).to(torch.bfloat16)
+            outs: dict[str, list[torch.Tensor]] = {}
+            fns: dict[str, Callable[[], float]] = {}
+            for tree, kern in kernels.items():
+                product = kern.amx_silu_linear if name == "gate_up" else kern.amx_linear
+                outs[tree] = [product(x, t, empty) for t in tiles[name]]
+
+                def call(product: Any = product) -> float:
+                    t0 = time.perf_counter()
+                    for t in tiles[name]:
+                        product(x, t, empty)
+                    return (time.perf_counter() - t0) * 1e3
+
+                fns[tree] = call
+            ms = alternate(fns, args.rounds)
+            identical = all(same_bits(a, b) for a, b in zip(outs["base"], outs["this"], strict=True))
+            width = outs["this"][0].shape[1] * (2 if name == "gate_up" else 1)
+            flop = 2.0 * m * k_in * width * args.layers
+            print(f"linear {name} {m} rows x {args.layers} layers: base {ms['base']:.3f} ms "
+                  f"({flop / ms['base'] / 1e6:.0f} GFLOP/s), this {ms['this']:.3f} ms ({flop / ms['this'] / 1e6:.0f}), "
+                  f"x{ms['base'] / ms['this']:.2f}; bit-identical: {identical}", flush=True)
+            rows.append({"part": "linear", "projection": name, "rows": m, "layers": args.layers,
+                         "base_ms": ms["base"], "this_ms": ms["this"], "bit_identical": identical})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, type=Path, help="the other checkout (e.g. a git worktree)")
-    p.add_argument("--parts", default="decode,mixed,prefill")
+    p.add_argument("--parts", default="decode,mixed,prefill", help="decode, mixed, prefill, linear (AMX products)")
+    p.add_argument("--linear-rows", default="8,32,64,128,200,512,2048", help="rows per product (linear)")
     p.add_argument("--layers", type=int, default=30, help="layers' caches per decode step")
     p.add_argument("--dot", choices=("on", "auto", "rule"), default="on",
                    help="decode bf16_dot: on for both trees; auto: this tree as the backend chooses, the base "
@@ -228,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_decode(kernels, args)
     if "prefill" in args.parts:
         rows += run_prefill(kernels, args)
+    if "linear" in args.parts:
+        rows += run_linear(kernels, args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"base": str(args.base), "threads": args.threads, "rows": rows}, indent=1))

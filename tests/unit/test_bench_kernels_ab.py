@@ -71,3 +71,18 @@ def test_decode_dot_modes(monkeypatch: pytest.MonkeyPatch, through_fma: bool) ->
     for name in ("base", "this"):
         assert dot("rule", name, bf16) is not through_fma
         assert dot("rule", name, fp8)
+
+
+def test_linear_part_times_every_projection_at_every_row_count() -> None:
+    """``--parts linear``: each projection at each row count, both builds' outputs compared bit
+    for bit (one build against itself here: identical), times and rows as asked."""
+    from services.worker.backends import cpu_paged
+
+    k = cpu_paged.load_extension()
+    if not k.tiled_amx(-1):
+        pytest.skip("no AMX tile products here (CPU or build)")
+    args = argparse.Namespace(layers=2, rounds=1, linear_rows="33,130")
+    rows = ab.run_linear({"base": k, "this": k}, args)
+    assert [(r["projection"], r["rows"]) for r in rows] == [
+        (name, m) for m in (33, 130) for name, _, _ in ab.LINEAR_SHAPES]
+    assert all(r["bit_identical"] and r["base_ms"] > 0 and r["this_ms"] > 0 and r["layers"] == 2 for r in rows)
