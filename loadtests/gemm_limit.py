@@ -17,7 +17,8 @@ oneDNN in bfloat16) and oneDNN on a weight packed once into its blocked layout
 (``mkldnn._linear_pointwise``, what vLLM's CPU linears call), and in bfloat16 through
 ferry's tiled kernel where this CPU has it (services/worker/backends/csrc/tiled_linear.cpp,
 what ferry's bfloat16 linears call since the nineteenth session: faster than oneDNN at
-decode sizes), and keeps the best of a few trials of the fastest (a limit is what the
+decode sizes) and, on a CPU with AMX, ferry's AMX tile products over the same tiles (what
+its linears call there past 6 rows; since the twenty-ninth session), and keeps the best of a few trials of the fastest (a limit is what the
 hardware can do, not what it did beside other jobs). The two differ most in float32 on AMD CPUs, where MKL takes a slow
 path: on a Zen 5 EPYC oneDNN ran these shapes at 2.1-2.9x MKL's rate. The limit is then the
 trace's FLOPs at those rates: no attention, norms, sampling or serving, so no
@@ -108,6 +109,9 @@ def _rates(m: int, k: int, n: int, dtype: Any, min_s: float, trials: int) -> dic
     if kernels is not None:
         tiles, no_bias = kernels.tiled_pack(weight), torch.empty(0)
         rates["tiled"] = _best_rate(lambda: kernels.tiled_linear(x, tiles, no_bias), flops, min_s, trials)
+        # with AMX, ferry's AMX tile products over the same tiles (what its linears call past 6 rows)
+        if n % 32 == 0 and k % 32 == 0 and kernels.tiled_amx(-1):
+            rates["amx"] = _best_rate(lambda: kernels.amx_linear(x, tiles, no_bias), flops, min_s, trials)
     return rates
 
 

@@ -26,7 +26,7 @@ def test_limit_counts_the_traces_flops_at_the_measured_rates(dtype: str) -> None
     head = next(s for s in shapes if s["part"] == "lm_head")
     assert head["flops"] == 2.0 * 4 * 3 * 64 * 256
     for s in shapes:
-        assert s["gflop_s"] > 0 and s["via"] in ("matmul", "onednn", "tiled")
+        assert s["gflop_s"] > 0 and s["via"] in ("matmul", "onednn", "tiled", "amx")
         assert s["seconds"] == pytest.approx(s["flops"] / (s["gflop_s"] * 1e9))
     assert out["output_tok_s"] == pytest.approx(4 * 3 / sum(s["seconds"] for s in shapes))
     merged = best_of(out, out)
@@ -46,3 +46,16 @@ def test_ferrys_tiled_kernel_is_timed_in_bfloat16_where_it_runs() -> None:
     assert ("tiled" in rates) == (_tiled_kernels() is not None) and all(r > 0 for r in rates.values())
     assert "tiled" not in _rates(32, 64, 96, torch.float32, 0.002, 1)
     assert "tiled" not in _rates(32, 64, 40, torch.bfloat16, 0.002, 1)  # N not a multiple of 16
+
+
+def test_ferrys_amx_products_are_timed_where_the_cpu_has_them() -> None:
+    """On a CPU with AMX the limit also times ferry's AMX tile products (what its linears call
+    there past 6 rows), for shapes whose N and K are multiples of 32."""
+    from loadtests.gemm_limit import _tiled_kernels
+
+    kernels = _tiled_kernels()
+    amx = kernels is not None and bool(kernels.tiled_amx(-1))
+    rates = _rates(64, 64, 96, torch.bfloat16, 0.002, 1)
+    assert ("amx" in rates) == amx and all(r > 0 for r in rates.values())
+    assert "amx" not in _rates(64, 64, 80, torch.bfloat16, 0.002, 1)  # N not a multiple of 32
+    assert "amx" not in _rates(64, 64, 96, torch.float32, 0.002, 1)
