@@ -404,8 +404,8 @@ static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const
   _tile_stored(3, c[3], 64);
 }
 
-// Pairs in turn, each one's epilogue under the next one's products: call(r0, g, b) for each
-// pair (rows from r0, group g; the pair's sums into b), then finish() for the last epilogue.
+// Pairs in turn, each one's epilogue under the next one's products: step(...) for each pair
+// (its rows from r0, group g's tiles), then finish() for the last pair's epilogue.
 template <typename Epilogue>
 struct Pipelined {
   explicit Pipelined(Epilogue& e) : epilogue(e) {}  // the sums' buffers left uninitialized
@@ -417,12 +417,9 @@ struct Pipelined {
   void step(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, const char* n0, const char* n1,
             bool ahead, int64_t g, int64_t r0) {
     float (*prev)[256] = c[cur ^ 1];
-    if (pg >= 0)
-      pair<STREAM_A>(x, K, b0, b1, n0, n1, ahead, c[cur], [&](int64_t lo, int64_t hi) {
-        if (lo < hi) epilogue(pg, pr, prev, lo, hi);
-      });
-    else
-      pair<STREAM_A>(x, K, b0, b1, n0, n1, ahead, c[cur]);
+    pair<STREAM_A>(x, K, b0, b1, n0, n1, ahead, c[cur], [&](int64_t lo, int64_t hi) {
+      if (pg >= 0 && lo < hi) epilogue(pg, pr, prev, lo, hi);
+    });
     pg = g, pr = r0, cur ^= 1;
   }
   void finish() {
@@ -467,10 +464,11 @@ static void run_rows(Rows rows, int64_t mp, int64_t K, int64_t groups, Tile tile
 }
 
 // groups [0, groups): group g's B tiles tile(g, 0) and tile(g, 1); epilogue(g, r0, c, lo, hi)
-// stores rows [r0 + lo, r0 + hi) of its four sum blocks (lo, hi within 0-32). Up to 32 rows, each group's next steps (and the
-// next group's first) are requested into L1 ahead of their tile loads; past 32 rows the rows'
-// A tiles no longer fit L1 beside them and the requests cost more than they gave (64 rows:
-// 16.3 ms a step with them, 13.3 without, blocks of groups kept in L2 for every 32 rows alike).
+// stores rows [r0 + lo, r0 + hi) of its four sum blocks (lo, hi within 0-32). Up to 32 rows,
+// each group's next steps (and the next group's first) are requested into L1 ahead of their
+// tile loads; past 32 rows the rows' A tiles no longer fit L1 beside them and the requests cost
+// more than they gave (64 rows: 16.3 ms a step with them, 13.3 without, blocks of groups kept
+// in L2 for every 32 rows alike).
 //
 // x: the rows, m of them; a last block of fewer than 32 is copied into a zero-padded buffer
 // (the tile loads read 32 rows), the others read in place: a padded copy of all of x, a tensor
