@@ -18,8 +18,9 @@ oneDNN in bfloat16) and oneDNN on a weight packed once into its blocked layout
 ferry's tiled kernel where this CPU has it (services/worker/backends/csrc/tiled_linear.cpp,
 what ferry's bfloat16 linears call since the nineteenth session: faster than oneDNN at
 decode sizes) and, on a CPU with AMX, ferry's AMX tile products over the same tiles (what
-its linears call there past 6 rows; since the twenty-ninth session), and keeps the best of a few trials of the fastest (a limit is what the
-hardware can do, not what it did beside other jobs). The two differ most in float32 on AMD CPUs, where MKL takes a slow
+its linears call there past 6 rows; since the twenty-ninth session), and keeps the best of a
+few trials of the fastest (a limit is what the hardware can do, not what it did beside other
+jobs). The two differ most in float32 on AMD CPUs, where MKL takes a slow
 path: on a Zen 5 EPYC oneDNN ran these shapes at 2.1-2.9x MKL's rate. The limit is then the
 trace's FLOPs at those rates: no attention, norms, sampling or serving, so no
 server can beat it; the board reports each server's throughput as a share of it.

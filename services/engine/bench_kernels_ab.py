@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from services.engine.bench_tiled_linear import KINDS, SHAPES
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,8 +210,8 @@ def run_prefill(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[
     return rows
 
 
-# SmolLM2-135M's projections (in, out): fused q/k/v, o_proj, fused gate/up (with SiLU), down
-LINEAR_SHAPES = (("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576))
+# SmolLM2-135M's projections as bench_tiled_linear has them: (name, in, out)
+LINEAR_SHAPES = tuple((kind, k, n) for kind, (k, n) in zip(KINDS, SHAPES, strict=True))
 
 
 def run_linear(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -41,6 +41,7 @@ from services.engine.bench_io import header, write_json
 
 # SmolLM2-135M's products per layer as ferry runs them: (in, out) of q/k/v fused, o, gate/up fused, down
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
+KINDS = ("qkv", "o", "gate_up", "down")  # SHAPES' names, in order
 LAYERS = 30
 
 
@@ -108,7 +109,7 @@ def run_prompt(kernels: Any, rows: list[int], rounds: int) -> list[dict[str, Any
     keep_freed_memory()  # as the worker: a step's freed buffers are reused, not faulted in again
     dt = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    kinds = ("qkv", "o", "gate_up", "down")
+    kinds = KINDS
     weights = [[torch.randn(n, k, generator=gen).to(dt) for k, n in SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
     tiles = [[kernels.tiled_pack(w) for w in layer] for layer in weights]
