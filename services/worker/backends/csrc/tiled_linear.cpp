@@ -360,15 +360,30 @@ struct NoSide {
   void operator()(int64_t, int64_t) const {}
 };
 
+// What a pair requests ahead of its tile loads. l1 (up to 32 rows, one pair a group): its own
+// B tiles' lines two k-steps ahead into L1, then the next group's first steps (n0, n1; null
+// past the thread's last group). Otherwise, with n0 set (33-128 rows, 2-4 pairs a group): a
+// share of the next group's tiles into L2, lines [from + per s, from + per (s + 1)) of n0 and
+// of n1 at k-step s, so that the group's pairs together request all of them. Without it the
+// gated product's first pair waited on its two tile streams (gate and up, 3 MB apart): at 64
+// rows 1.13x faster with it, 24.7 GB/s of weight against 21.6 (docs/benchmarks.md, "The next
+// group's weights under the decode products").
+struct Ahead {
+  const char* n0 = nullptr;
+  const char* n1 = nullptr;
+  bool l1 = false;
+  int64_t from = 0, per = 0;
+};
+
 // rows [r0, r0 + 32) of xb (row stride K elements) against B tiles b0, b1 (k2 * 16 words each),
 // sums stored to c (four 16 x 16 float32 blocks: rows 0-15 x b0, rows 0-15 x b1, rows 16-31 x
-// b0, rows 16-31 x b1); n0, n1: what the thread reads next (their first steps requested at the end).
+// b0, rows 16-31 x b1); next: what it requests ahead (Ahead).
 // side(lo, hi) after each k-step's products: rows [lo, hi) of 32 spread over the k-steps.
 // STREAM_A: the rows' tiles loaded with the streaming hint (TILELOADDT1), so the B tiles a thread
 // keeps reusing stay in L1 while the rows pass through (run_rows: 2,048 rows of q/k/v 1.25x).
 template <bool STREAM_A = false, typename Side = NoSide>
-static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, const char* n0,
-                        const char* n1, bool ahead, float (*c)[256], Side&& side = Side()) {
+static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, const Ahead& next,
+                        float (*c)[256], Side&& side = Side()) {
   constexpr int64_t AHEAD = 2;  // k-steps (measured: 1-8 alike at 32 rows, none 8 % slower)
   const int64_t ks = K / 32;
   _tile_zero(0);
@@ -376,14 +391,22 @@ static inline void pair(const c10::BFloat16* x, int64_t K, const char* b0, const
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < ks; ++s) {
-    const int64_t a = s + AHEAD;
-    const char* p0 = a < ks ? b0 + a * 1024 : (n0 ? n0 + (a - ks) * 1024 : nullptr);
-    const char* p1 = a < ks ? b1 + a * 1024 : (n1 ? n1 + (a - ks) * 1024 : nullptr);
-    if (ahead && p0 != nullptr)
-      for (int l = 0; l < 16; ++l) {
-        _mm_prefetch(p0 + 64 * l, _MM_HINT_T0);
-        _mm_prefetch(p1 + 64 * l, _MM_HINT_T0);
+    if (next.l1) {
+      const int64_t a = s + AHEAD;
+      const char* p0 = a < ks ? b0 + a * 1024 : (next.n0 ? next.n0 + (a - ks) * 1024 : nullptr);
+      const char* p1 = a < ks ? b1 + a * 1024 : (next.n1 ? next.n1 + (a - ks) * 1024 : nullptr);
+      if (p0 != nullptr)
+        for (int l = 0; l < 16; ++l) {
+          _mm_prefetch(p0 + 64 * l, _MM_HINT_T0);
+          _mm_prefetch(p1 + 64 * l, _MM_HINT_T0);
+        }
+    } else if (next.n0 != nullptr) {
+      const int64_t lo = next.from + s * next.per, hi = std::min(lo + next.per, 16 * ks);
+      for (int64_t l = lo; l < hi; ++l) {
+        _mm_prefetch(next.n0 + 64 * l, _MM_HINT_T1);
+        _mm_prefetch(next.n1 + 64 * l, _MM_HINT_T1);
       }
+    }
     // loads and products interleaved, each product issued once its two tiles are in: 4-9 %
     // faster than four loads then four products at 2,048 rows (run_rows), 0-4 % at 8-128
     if constexpr (STREAM_A) _tile_stream_loadd(4, x + s * 32, K * 2);
@@ -414,10 +437,10 @@ struct Pipelined {
   int cur = 0;
   int64_t pg = -1, pr = 0;  // the previous pair's group and first row; -1: none yet
   template <bool STREAM_A = false>
-  void step(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, const char* n0, const char* n1,
-            bool ahead, int64_t g, int64_t r0) {
+  void step(const c10::BFloat16* x, int64_t K, const char* b0, const char* b1, const Ahead& next, int64_t g,
+            int64_t r0) {
     float (*prev)[256] = c[cur ^ 1];
-    pair<STREAM_A>(x, K, b0, b1, n0, n1, ahead, c[cur], [&](int64_t lo, int64_t hi) {
+    pair<STREAM_A>(x, K, b0, b1, next, c[cur], [&](int64_t lo, int64_t hi) {
       if (pg >= 0 && lo < hi) epilogue(pg, pr, prev, lo, hi);
     });
     pg = g, pr = r0, cur ^= 1;
@@ -457,7 +480,7 @@ static void run_rows(Rows rows, int64_t mp, int64_t K, int64_t groups, Tile tile
     Pipelined<Epilogue> pipe(epilogue);
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = b0; b < b1; ++b)
-        pipe.template step<true>(rows(32 * b), K, tile(g, 0), tile(g, 1), nullptr, nullptr, false, g, 32 * b);
+        pipe.template step<true>(rows(32 * b), K, tile(g, 0), tile(g, 1), Ahead{}, g, 32 * b);
     pipe.finish();
     _tile_release();
   });
@@ -466,9 +489,9 @@ static void run_rows(Rows rows, int64_t mp, int64_t K, int64_t groups, Tile tile
 // groups [0, groups): group g's B tiles tile(g, 0) and tile(g, 1); epilogue(g, r0, c, lo, hi)
 // stores rows [r0 + lo, r0 + hi) of its four sum blocks (lo, hi within 0-32). Up to 32 rows,
 // each group's next steps (and the next group's first) are requested into L1 ahead of their
-// tile loads; past 32 rows the rows' A tiles no longer fit L1 beside them and the requests cost
-// more than they gave (64 rows: 16.3 ms a step with them, 13.3 without, blocks of groups kept
-// in L2 for every 32 rows alike).
+// tile loads; past 32 rows the rows' A tiles no longer fit L1 beside them and those requests
+// cost more than they gave (64 rows: 16.3 ms a step with them, 13.3 without), so the group's
+// pairs request the next group's tiles into L2 instead, a share each (Ahead).
 //
 // x: the rows, m of them; a last block of fewer than 32 is copied into a zero-padded buffer
 // (the tile loads read 32 rows), the others read in place: a padded copy of all of x, a tensor
@@ -485,16 +508,18 @@ static void run(const c10::BFloat16* x, int64_t m, int64_t K, int64_t groups, Ti
   const c10::BFloat16* tail_rows = tail.data();
   auto rows = [&](int64_t r0) { return r0 < full ? x + r0 * K : tail_rows; };
   if (m > MAX_ROWS) return run_rows(rows, mp, K, groups, tile, epilogue);
-  const bool ahead = mp <= 32;
+  const int64_t pairs = mp / 32, per = (16 + pairs - 1) / pairs;  // L2 lines a k-step (Ahead)
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     amx_configure();
     Pipelined<Epilogue> pipe(epilogue);
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r0 = 0; r0 < mp; r0 += 32) {
-        const bool next = ahead && g + 1 < g1;
-        pipe.step(rows(r0), K, tile(g, 0), tile(g, 1), next ? tile(g + 1, 0) : nullptr,
-                  next ? tile(g + 1, 1) : nullptr, ahead, g, r0);
-      }
+    for (int64_t g = g0; g < g1; ++g) {
+      const bool last = g + 1 == g1;
+      for (int64_t j = 0; j < pairs; ++j)
+        pipe.step(rows(32 * j), K, tile(g, 0), tile(g, 1),
+                  Ahead{last ? nullptr : tile(g + 1, 0), last ? nullptr : tile(g + 1, 1), pairs == 1,
+                        j * (K / 32) * per, per},
+                  g, 32 * j);
+    }
     pipe.finish();
     _tile_release();
   });
