@@ -452,8 +452,8 @@ struct Pipelined {
 };
 
 // More rows than a decode step's (past MAX_ROWS: a prompt step's, or a prompt chunk beside
-// decodes): items of up to ROW_BLOCKS 32-row blocks (590 KB of rows at K = 576, kept in L2)
-// against up to 8 groups, each group against every 32 rows of the item in turn: the group's
+// decodes): items of up to row_blocks(K) 32-row blocks (590 KB of rows at K = 576, 786 KB at
+// K = 1,536: kept in L2 beside the group's tiles) against up to 8 groups, each group against every 32 rows of the item in turn: the group's
 // tiles (36 KB at K = 576) stay in L1 while the rows pass through with the streaming hint.
 // Rows outside and groups inside, or every tile loaded alike, both operands came from L2 at each
 // k-step: 2,048 rows of q/k/v ran 2.1 TFLOP/s on two cores against 2.6 (o_proj 2.2 against 2.7;
@@ -463,19 +463,23 @@ struct Pipelined {
 // parallel_stealing hands the items out, those of one row chunk next to each other; where the
 // rows are few, groups go 2-8 an item so each thread has at least four. Split by groups instead
 // (as run is), both threads read every row (2.4 MB at 2,048 x 576) and the products ran 0.6-0.9x
-// oneDNN's; 8 row blocks an item ran 2-4 % slower than 16, 24 about 8 %. Each sum is the same
-// products in the same order as in run, so a row's result does not depend on the step's rows.
-constexpr int64_t ROW_BLOCKS = 16;
+// oneDNN's; at K = 576, 8 row blocks an item ran 2-4 % slower than 16, 24 about 8 %. At K =
+// 1,536 (down) 16 blocks are 1.5 MB of rows, which with the group's 96 KB of tiles (from L2:
+// they do not fit L1) left the 2 MB L2 thrashing: 2,048 rows 1.10x faster with 8 (the rows
+// held in L1 instead, a timing-only build: 1.24x). Each sum is the same products in the same
+// order as in run, so a row's result does not depend on the step's rows.
+constexpr int64_t ROW_BLOCKS = 16, ITEM_ROW_BYTES = 768 << 10;
+static inline int64_t row_blocks(int64_t K) { return std::clamp<int64_t>(ITEM_ROW_BYTES / (64 * K), 1, ROW_BLOCKS); }
 template <typename Rows, typename Tile, typename Epilogue>
 static void run_rows(Rows rows, int64_t mp, int64_t K, int64_t groups, Tile tile, Epilogue epilogue) {
-  const int64_t blocks = mp / 32, row_chunks = (blocks + ROW_BLOCKS - 1) / ROW_BLOCKS;
+  const int64_t rb = row_blocks(K), blocks = mp / 32, row_chunks = (blocks + rb - 1) / rb;
   const int64_t want = (4 * at::get_num_threads() + row_chunks - 1) / row_chunks;  // group chunks a row chunk
   const int64_t group_block = std::clamp<int64_t>((groups + want - 1) / want, 2, 8);
   const int64_t group_chunks = (groups + group_block - 1) / group_block;
   parallel_stealing(row_chunks * group_chunks, [&](int64_t item) {
     const int64_t rc = item / group_chunks, gc = item % group_chunks;
     const int64_t g0 = gc * group_block, g1 = std::min(groups, g0 + group_block);
-    const int64_t b0 = rc * ROW_BLOCKS, b1 = std::min(blocks, b0 + ROW_BLOCKS);
+    const int64_t b0 = rc * rb, b1 = std::min(blocks, b0 + rb);
     amx_configure();
     Pipelined<Epilogue> pipe(epilogue);
     for (int64_t g = g0; g < g1; ++g)
