@@ -36,7 +36,8 @@ from typing import Any
 from services.engine.bench_io import header, write_json
 
 KERNEL = "prefill_attention.cpp"
-HEADERS = ("vec512.h", "vec256.h", "work_split.h", "amx.h")
+HEADERS = ("vec512.h", "vec256.h", "work_split.h", "pool.h", "amx.h")
+NEWER_HEADERS = frozenset({"pool.h"})  # absent from older revisions (work_split.h includes it since)
 
 
 def _csrc() -> Path:
@@ -49,12 +50,15 @@ def _sources(against: str) -> tuple[str, dict[str, str]]:
     """The kernel's and its headers' text at ``against`` (a directory, else a git revision)."""
     folder = Path(against)
     if folder.is_dir():
-        return str(folder), {n: (folder / n).read_text() for n in (KERNEL, *HEADERS)}
+        return str(folder), {n: (folder / n).read_text() for n in (KERNEL, *HEADERS)
+                             if n not in NEWER_HEADERS or (folder / n).exists()}
     root = Path(__file__).resolve().parents[2]
     rel = _csrc().relative_to(root)
     texts = {}
     for name in (KERNEL, *HEADERS):
         shown = subprocess.run(["git", "show", f"{against}:{rel / name}"], cwd=root, capture_output=True, text=True)
+        if shown.returncode != 0 and name in NEWER_HEADERS:
+            continue
         if shown.returncode != 0:
             raise SystemExit(f"--against {against}: {shown.stderr.strip()}")
         texts[name] = shown.stdout
@@ -69,11 +73,12 @@ def build(texts: dict[str, str]) -> Any:
     from services.worker.backends.cpu_paged import cpu_march
 
     cflags = ["-O3", f"-march={cpu_march()}", "-fopenmp", "-fno-trapping-math"]
-    key = hashlib.sha256(("".join(texts[n] for n in (KERNEL, *HEADERS)) + " ".join(cflags)).encode()).hexdigest()[:12]
+    key = hashlib.sha256(("".join(texts.get(n, "") for n in (KERNEL, *HEADERS)) + " ".join(cflags)).encode()).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / f"ferry_prompt_attention_{key}"
     folder.mkdir(exist_ok=True)
     for name in HEADERS:
-        (folder / name).write_text(texts[name])
+        if name in texts:
+            (folder / name).write_text(texts[name])
     return load_inline(name=f"ferry_prompt_attention_{key}", cpp_sources=[texts[KERNEL]],
                        functions=["prefill_attention", "prefill_attention_paged"], extra_cflags=cflags,
                        extra_ldflags=["-fopenmp"], extra_include_paths=[str(folder)], verbose=False)

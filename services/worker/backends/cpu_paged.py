@@ -52,11 +52,11 @@ log = logging.getLogger("ferry.worker.backends")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp",
-                                   "tiled_linear.cpp", "decode_layers.cpp"))  # + vec512.h, vec256.h, work_split.h, amx.h
+                                   "tiled_linear.cpp", "decode_layers.cpp"))  # + vec512.h, vec256.h, work_split.h, pool.h, amx.h
 FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged", "prefill_amx",
              "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa",
-             "tiled_linear_available", "tiled_pack", "tiled_embedding", "tiled_linear", "tiled_silu_linear", "tiled_prefetch", "work_stealing",
+             "tiled_linear_available", "tiled_pack", "tiled_embedding", "tiled_linear", "tiled_silu_linear", "tiled_prefetch", "work_stealing", "pool_check",
              "amx_linear", "amx_silu_linear", "tiled_amx", "amx_linear_rows",
              "decode_layers"]
 
@@ -98,7 +98,7 @@ def load_extension() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     sources = [p.read_text() for p in SOURCES]
-    header = "".join((CSRC / h).read_text() for h in ("vec512.h", "vec256.h", "work_split.h", "amx.h"))
+    header = "".join((CSRC / h).read_text() for h in ("vec512.h", "vec256.h", "work_split.h", "pool.h", "amx.h"))
     march = cpu_march()
     # -fno-trapping-math: no floating-point exception flags to preserve, so the portable
     # loops' selects vectorize; values and rounding are unchanged

@@ -774,7 +774,7 @@ torch::Tensor to_bfloat16(torch::Tensor x) {
   const float* xp = x.data_ptr<float>();
   bf16* op = out.data_ptr<bf16>();
   const int64_t n = x.numel();
-  at::parallel_for(0, (n + 15) / 16, 4096, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, (n + 15) / 16, 4096, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t i = b * 16;
 #if defined(__AVX512F__)

@@ -117,7 +117,7 @@ std::vector<torch::Tensor> quant_rows(torch::Tensor x, c10::optional<torch::Tens
   float* sp = s.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_rows", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(k), [&](int64_t r0, int64_t r1) {
+    parallel_for(0, rows, grain(k), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) quant_row<scalar_t>(xp + r * k, sm, qp + r * k, sp + r, k);
     });
   });
@@ -143,7 +143,7 @@ torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor row_scale, torch::Te
   const float* cs = col_scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "dequant_rows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
+    parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) dequant_row<scalar_t>(ap + r * n, rs[r], cs, bp, op + r * n, n);
     });
   });

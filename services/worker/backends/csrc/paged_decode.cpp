@@ -35,7 +35,7 @@ static void decode_kernel(const scalar_t* q, const cache_t* kc, const cache_t* v
   const int64_t HD = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the cache
-  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / num_kv_heads, kvh = item % num_kv_heads;
@@ -767,7 +767,7 @@ static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const sc
                                  const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, double scale, bool rows) {
   const int64_t per = rows ? 1 : num_kv_heads;  // work items per request
-  at::parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_decodes * per, 1, [&](int64_t begin, int64_t end) {
     DecodeScratch scratch;
     const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
     for (int64_t item = begin; item < end; ++item) {
@@ -1141,7 +1141,7 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   const char* vp = static_cast<const char*>(value.data_ptr());
   const int64_t kt = key.stride(0) * ke, kh = key.stride(1) * ke, vt = value.stride(0) * ke, vh = value.stride(1) * ke;
   auto rows = [&](auto put) {
-    at::parallel_for(0, T, 512, [&](int64_t begin, int64_t end) {
+    parallel_for(0, T, 512, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         if (s[t] < 0) continue;
         put(kc + s[t] * KH * D * ce, kp + t * kt, kh);
@@ -1170,3 +1170,30 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 // Work taken between threads by the attention kernels (parallel_by_cost) and the row-wise ops
 // (parallel_rows, work_split.h) on (the default) or off, for A/B measurements only.
 void work_stealing(bool on) { stealing_on = on; }
+
+// For the tests of ferry_pool (pool.h) through parallel_for: `items` items of about `item_us`
+// microseconds each, grain 1; returns how many times each item ran, then how many threads ran
+// any. fail_item >= 0: that item throws (the error must come back to the caller).
+torch::Tensor pool_check(int64_t items, int64_t item_us, int64_t fail_item) {
+  std::vector<std::atomic<int64_t>> counts(items);
+  std::mutex mu;
+  std::vector<std::thread::id> seen;
+  parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (std::find(seen.begin(), seen.end(), std::this_thread::get_id()) == seen.end())
+        seen.push_back(std::this_thread::get_id());
+    }
+    for (int64_t i = lo; i < hi; ++i) {
+      TORCH_CHECK(i != fail_item, "pool_check: item ", i, " failed as asked");
+      const int64_t until = ferry_pool::now_ns() + 1000 * item_us;
+      while (ferry_pool::now_ns() < until) _mm_pause();
+      counts[i].fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+  auto out = torch::empty({items + 1}, torch::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < items; ++i) o[i] = counts[i].load();
+  o[items] = static_cast<int64_t>(seen.size());
+  return out;
+}

@@ -364,7 +364,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
   }
   // not zeroed: the layout below writes every word of every tile (zeros past the context)
   const std::unique_ptr<uint32_t[]> Kp(new uint32_t[num_tiles * TILE]), Vp(new uint32_t[num_tiles * TILE]);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Panel& pn = panels[tiles[i].first];
       const int64_t t = tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);

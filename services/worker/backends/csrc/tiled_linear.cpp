@@ -81,7 +81,7 @@ template <int64_t M>
 static void stream(const uint32_t* x, int64_t k2, const uint32_t* tiles, int64_t n, const float* bias,
                    c10::BFloat16* y) {
   // contiguous ranges of tiles per thread: each thread one stream through the weight
-  at::parallel_for(0, n / 16, 8, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, n / 16, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       tile_rows<M>(x, k2, tiles + t * k2 * 16, bias ? bias + t * 16 : nullptr, y + t * 16, n);
   });
@@ -220,7 +220,7 @@ torch::Tensor tiled_pack(torch::Tensor weight) {
   auto tiles = torch::empty({n / 16, k / 2, 16}, weight.options().dtype(at::kInt));
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   uint32_t* dst = reinterpret_cast<uint32_t*>(tiles.data_ptr<int32_t>());
-  at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t p = 0; p < k / 2; ++p)
         for (int64_t j = 0; j < 16; ++j) {
@@ -250,7 +250,7 @@ torch::Tensor tiled_embedding(torch::Tensor tiles, torch::Tensor ids) {
   auto out = torch::empty(sizes, tiles.options().dtype(at::kBFloat16));
   const uint32_t* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
   uint32_t* op = reinterpret_cast<uint32_t*>(out.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+  parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint32_t* src = tp + (ip[r] / 16) * k2 * 16 + ip[r] % 16;
       uint32_t* dst = op + r * k2;
@@ -513,17 +513,22 @@ static void run(const c10::BFloat16* x, int64_t m, int64_t K, int64_t groups, Ti
   auto rows = [&](int64_t r0) { return r0 < full ? x + r0 * K : tail_rows; };
   if (m > MAX_ROWS) return run_rows(rows, mp, K, groups, tile, epilogue);
   const int64_t pairs = mp / 32, per = (16 + pairs - 1) / pairs;  // L2 lines a k-step (Ahead)
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  // each participant its own range of groups front to back, then the others' from their backs
+  // one at a time (work_split.h); what it requests ahead is the group after, whoever runs it
+  const int64_t threads = at::in_parallel_region() ? 1 : std::clamp<int64_t>(at::get_num_threads(), 1, groups);
+  std::vector<StealRange> ranges(threads);
+  for (int64_t t = 0; t < threads; ++t) ranges[t].set(groups * t / threads, groups * (t + 1) / threads);
+  ferry_pool::run(threads, [&](int64_t t) {
     amx_configure();
     Pipelined<Epilogue> pipe(epilogue);
-    for (int64_t g = g0; g < g1; ++g) {
-      const bool last = g + 1 == g1;
+    run_and_take(ranges, t, 1, [&](int64_t g, int64_t) {
+      const bool last = g + 1 == groups;
       for (int64_t j = 0; j < pairs; ++j)
         pipe.step(rows(32 * j), K, tile(g, 0), tile(g, 1),
                   Ahead{last ? nullptr : tile(g + 1, 0), last ? nullptr : tile(g + 1, 1), pairs == 1,
                         j * (K / 32) * per, per},
                   g, 32 * j);
-    }
+    });
     pipe.finish();
     _tile_release();
   });

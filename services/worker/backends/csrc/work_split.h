@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "pool.h"
+
 struct alignas(64) StealRange {
   std::atomic<uint64_t> front_back;  // front << 32 | back: one word, so an item is taken once
   void set(uint64_t front, uint64_t back) { front_back.store(front << 32 | back, std::memory_order_relaxed); }
@@ -60,7 +62,7 @@ static inline void run_and_take(std::vector<StealRange>& ranges, int64_t t, int6
 template <typename Cost, typename F>
 static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1 || at::in_parallel_region()) {
+  if (threads <= 1 || at::in_parallel_region() || ferry_pool::inside()) {
     if (n > 0) f(0, n);
     return;
   }
@@ -83,9 +85,7 @@ static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
   }
   std::vector<StealRange> ranges(threads);
   for (int64_t t = 0; t < threads; ++t) ranges[t].set(bounds[t], bounds[t + 1]);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) run_and_take(ranges, t, 0, f);
-  });
+  ferry_pool::run(threads, [&](int64_t t) { run_and_take(ranges, t, 0, f); });
 }
 
 // Work items [0, n), each run by f(i): one contiguous range per thread, as at::parallel_for
@@ -99,14 +99,32 @@ static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
 template <typename F>
 static void parallel_stealing(int64_t n, F&& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1 || at::in_parallel_region() || n >= (int64_t{1} << 32)) {
+  if (threads <= 1 || at::in_parallel_region() || ferry_pool::inside() || n >= (int64_t{1} << 32)) {
     for (int64_t i = 0; i < n; ++i) f(i);
     return;
   }
   std::vector<StealRange> ranges(threads);
   for (int64_t t = 0; t < threads; ++t) ranges[t].set(n * t / threads, n * (t + 1) / threads);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) run_and_take(ranges, t, 1, [&](int64_t i, int64_t) { f(i); });
+  ferry_pool::run(threads, [&](int64_t t) { run_and_take(ranges, t, 1, [&](int64_t i, int64_t) { f(i); }); });
+}
+
+// As at::parallel_for(begin, end, grain, f) (f(lo, hi) on pieces of at least `grain` indices,
+// inline where the range is one grain or less), on ferry_pool's threads instead of an OpenMP
+// team: one contiguous range per thread, each taken half of what is left at a time, then the
+// others' grains from their backs. No barrier waits for a thread without a core (pool.h).
+template <typename F>
+static void parallel_for(int64_t begin, int64_t end, int64_t grain, F&& f) {
+  const int64_t n = end - begin, g = std::max<int64_t>(grain, 1), items = (n + g - 1) / g;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  if (n <= 0) return;
+  if (threads <= 1 || at::in_parallel_region() || ferry_pool::inside() || items >= (int64_t{1} << 32)) {
+    f(begin, end);
+    return;
+  }
+  std::vector<StealRange> ranges(threads);
+  for (int64_t t = 0; t < threads; ++t) ranges[t].set(items * t / threads, items * (t + 1) / threads);
+  ferry_pool::run(threads, [&](int64_t t) {
+    run_and_take(ranges, t, 0, [&](int64_t lo, int64_t hi) { f(begin + lo * g, std::min(end, begin + hi * g)); });
   });
 }
 
@@ -120,10 +138,15 @@ template <typename F>
 static void parallel_rows(int64_t n, int64_t grain, F&& f) {
   const int64_t threads = at::get_num_threads();
   const int64_t wanted = std::min<int64_t>(n / std::max<int64_t>(grain, 1), 8 * threads);
-  if (threads <= 1 || wanted < 2 * threads || at::in_parallel_region() || !stealing_on) {
+  if (!stealing_on) {  // as before the pool, for A/B runs
     at::parallel_for(0, n, grain, f);
     return;
   }
-  const int64_t pieces = wanted / threads * threads;
+  if (threads <= 1 || wanted < 2 || at::in_parallel_region() || ferry_pool::inside()) {
+    parallel_for(0, n, grain, f);
+    return;
+  }
+  const int64_t pieces = wanted < 2 * threads ? wanted : wanted / threads * threads;
   parallel_stealing(pieces, [&](int64_t p) { f(n * p / pieces, n * (p + 1) / pieces); });
 }
+
