@@ -63,6 +63,11 @@ def decode_layers_enabled() -> bool:
 
 
 # The parts of a ``decode_layers`` call its ``times`` counts, in its order (bench_profile's names).
+# RoPE types whose cos/sin depend on the position alone (LeanDecoder.cos_sin's table); the
+# dynamic ones (dynamic NTK, longrope) change their frequencies with the longest context seen.
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+ROPE_TABLE_MIN = 4096
+
 DECODE_LAYER_PARTS = ("rmsnorm", "linear", "rope", "attention")
 
 
@@ -96,6 +101,10 @@ class LeanDecoder:
     def __init__(self, body: Any, kernels: Any | None) -> None:
         self.embed: Any = body.embed_tokens
         self.rotary_emb: Any = body.rotary_emb
+        # cos/sin of every position up to a bound, computed once by rotary_emb itself and read
+        # back by row (RoPE types whose frequencies never change with the positions seen).
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope_static = getattr(self.rotary_emb, "rope_type", None) in STATIC_ROPE_TYPES
         self.norm: Any = body.norm
         self.kernels = kernels
         self.mode = "fused" if kernels is not None else "plain"
@@ -145,7 +154,7 @@ class LeanDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """[1, T] token ids and positions -> [1, T, hidden], as ``body(...).last_hidden_state``."""
         x = self.embed(input_ids)  # [1, T, hidden]
-        cos, sin = self.rotary_emb(x, position_ids=positions)
+        cos, sin = self.cos_sin(x, positions)
         if self.kernels is None:
             return self._plain(x, cos, sin, step)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
@@ -175,6 +184,26 @@ class LeanDecoder:
             x, h = add_norm(x, o_proj(o.reshape(1, tokens, -1)), norm2.weight, norm2.variance_epsilon)
             delta = mlp(h)
         return add_norm(x, delta, self.norm.weight, self.norm.variance_epsilon)[1]
+
+    def cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary_emb(x, position_ids=positions)``: [1, T, head_dim] each, the same bits.
+
+        Computed per step, that is a float32 outer product, a concatenation, cos and sin over
+        T x head_dim and two casts: each an OpenMP region of torch's, whose threads then spin
+        (GOMP_SPINCOUNT) on the core ferry's own kernel threads want (csrc/pool.h). Where the
+        RoPE type is static the rows come from a table of every position up to a bound that
+        grows by doubling, filled by rotary_emb itself, so each row is what it returns."""
+        if not self.rope_static or positions.dim() != 2 or positions.shape[0] != 1:
+            return self.rotary_emb(x, position_ids=positions)
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        table = self.rope_table
+        if table is None or table[0].shape[0] < need or table[0].dtype != x.dtype or table[0].device != x.device:
+            size = max(ROPE_TABLE_MIN, 1 << (need - 1).bit_length())
+            every = torch.arange(size, device=x.device)[None]
+            cos, sin = self.rotary_emb(x[:, :1], position_ids=every)
+            table = self.rope_table = (cos[0].contiguous(), sin[0].contiguous())
+        flat = positions[0]
+        return table[0].index_select(0, flat)[None], table[1].index_select(0, flat)[None]
 
     def _plain(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """The model's modules, called as its layer and attention code call them."""

@@ -272,3 +272,27 @@ def test_lean_forward_modes_and_what_it_declines(monkeypatch: pytest.MonkeyPatch
     assert LeanDecoder.build(qwen3.get_decoder(), None) is None
     windowed, _ = _model("mistral", sliding_window=16)
     assert LeanDecoder.build(windowed.get_decoder(), None) is None
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_rope_rows_from_the_table_are_rotary_embs_bits(dtype: torch.dtype) -> None:
+    """cos/sin read from LeanDecoder's table (static RoPE types) are rotary_emb's own for any
+    positions, batch and order; the table grows past its first bound; a dynamic RoPE type
+    (its frequencies change with the context) is computed per call, with no table."""
+    model, _ = _model("llama", dtype, max_position_embeddings=16384)
+    lean = LeanDecoder.build(model.get_decoder(), None)
+    assert lean is not None and lean.rope_static
+    gen = torch.Generator().manual_seed(5)
+    for n, top in ((1, 10), (3, 100), (64, 4000), (2048, 4096), (17, 9000)):
+        pos = torch.randint(0, top, (1, n), generator=gen)
+        x = torch.zeros(1, n, 128, dtype=dtype)
+        want, got = lean.rotary_emb(x, position_ids=pos), lean.cos_sin(x, pos)
+        assert all(torch.equal(w, g) and g.shape == (1, n, 32) for w, g in zip(want, got, strict=True))
+    assert lean.rope_table is not None and lean.rope_table[0].shape == (16384, 32)  # 9,000 doubled past 4,096
+    dynamic, _ = _model("llama", dtype, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    lean = LeanDecoder.build(dynamic.get_decoder(), None)
+    assert lean is not None and not lean.rope_static
+    pos = torch.arange(300)[None]
+    x = torch.zeros(1, 300, 128, dtype=dtype)
+    assert all(torch.equal(w, g) for w, g in zip(lean.rotary_emb(x, position_ids=pos), lean.cos_sin(x, pos), strict=True))
+    assert lean.rope_table is None
