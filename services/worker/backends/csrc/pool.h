@@ -17,8 +17,9 @@
 // goes back to waiting. A helper that loses its core in the middle of an item still holds the
 // caller until that item ends (the caller yields its core meanwhile), so items stay small.
 //
-// Helpers spin a while after a job (the next one follows within microseconds in a step), then
-// sleep on a futex; the caller wakes sleepers with one system call. Linux only (as ferry's CPU
+// Helpers spin a while after a job (the next one follows within microseconds in a step),
+// yielding their core to any other thread that wants it, then sleep on a futex; the caller
+// wakes sleepers with one system call. Linux only (as ferry's CPU
 // path is); after fork() the child starts its own helpers.
 #pragma once
 #include <ATen/Parallel.h>
@@ -116,7 +117,10 @@ class Pool {
     for (;;) {
       const int64_t until = now_ns() + spin_ns();
       for (int i = 0; seq_.load(std::memory_order_acquire) == seen; ++i) {
-        _mm_pause();
+        // past a few microseconds, let any other thread that wants this core have it (an
+        // OpenMP thread of torch's: float32's oneDNN products; the gateway, the scheduler)
+        if (i < 64) _mm_pause();
+        else sched_yield();
         if ((i & 63) == 63 && now_ns() > until) {
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           if (seq_.load(std::memory_order_seq_cst) == seen)
