@@ -330,7 +330,8 @@ void tiled_prefetch(bool on) { tiled::prefetch_next = on; }
 // outputs are 64-byte rows, the layout TDPBF16PS reads, so the products of a decode step's
 // 7-128 rows (past the tiled kernel's 6; oneDNN's before) read them as they are. Each thread
 // takes a contiguous range of groups of two output tiles (for the gated product: a gate tile
-// and its up tile) and runs them against the rows 32 at a time: four C tiles (2 x 16 rows x 2
+// and its up tile; then the other's from its back, work_split.h) and runs them against the
+// rows 32 at a time: four C tiles (2 x 16 rows x 2
 // x 16 outputs), two A tiles of the rows, two B tiles, 32 k a step; up to 32 rows each step's
 // B lines are requested into L1 two steps ahead (a tile load waits for its lines, and AMX does
 // not run ahead of it: at 32 rows oneDNN's packed product read the weight at 12.8 GB/s, this
@@ -362,12 +363,12 @@ struct NoSide {
 
 // What a pair requests ahead of its tile loads. l1 (up to 32 rows, one pair a group): its own
 // B tiles' lines two k-steps ahead into L1, then the next group's first steps (n0, n1; null
-// past the thread's last group). Otherwise, with n0 set (33-128 rows, 2-4 pairs a group): a
-// share of the next group's tiles into L2, lines [from + per s, from + per (s + 1)) of n0 and
-// of n1 at k-step s, so that the group's pairs together request all of them. Without it the
-// gated product's first pair waited on its two tile streams (gate and up, 3 MB apart): at 64
-// rows 1.13x faster with it, 24.7 GB/s of weight against 21.6 (docs/benchmarks.md, "The next
-// group's weights under the decode products").
+// after the last group). Otherwise, with n0 set (33-128 rows, 2-4 pairs a group): a share of
+// the next group's tiles into L2, lines [from + per s, from + per (s + 1)) of n0 and of n1 at
+// k-step s, so that the group's pairs together request all of them. Without it each group's
+// first pair waited on its tiles from memory, the gated product's two streams (gate and up,
+// 3 MB apart) the worst: gate/up 1.08-1.18x faster at 48-128 rows, the others 1.02-1.10x
+// (docs/benchmarks.md, "ferry's kernels on their own threads").
 struct Ahead {
   const char* n0 = nullptr;
   const char* n1 = nullptr;
@@ -453,8 +454,9 @@ struct Pipelined {
 
 // More rows than a decode step's (past MAX_ROWS: a prompt step's, or a prompt chunk beside
 // decodes): items of up to row_blocks(K) 32-row blocks (590 KB of rows at K = 576, 786 KB at
-// K = 1,536: kept in L2 beside the group's tiles) against up to 8 groups, each group against every 32 rows of the item in turn: the group's
-// tiles (36 KB at K = 576) stay in L1 while the rows pass through with the streaming hint.
+// K = 1,536: kept in L2 beside the group's tiles) against up to 8 groups, each group against
+// every 32 rows of the item in turn: the group's tiles (36 KB at K = 576) stay in L1 while the
+// rows pass through with the streaming hint.
 // Rows outside and groups inside, or every tile loaded alike, both operands came from L2 at each
 // k-step: 2,048 rows of q/k/v ran 2.1 TFLOP/s on two cores against 2.6 (o_proj 2.2 against 2.7;
 // down, K = 1,536, whose tiles do not fit L1, level). Nothing requested ahead (the next item's
@@ -465,7 +467,7 @@ struct Pipelined {
 // (as run is), both threads read every row (2.4 MB at 2,048 x 576) and the products ran 0.6-0.9x
 // oneDNN's; at K = 576, 8 row blocks an item ran 2-4 % slower than 16, 24 about 8 %. At K =
 // 1,536 (down) 16 blocks are 1.5 MB of rows, which with the group's 96 KB of tiles (from L2:
-// they do not fit L1) left the 2 MB L2 thrashing: 2,048 rows 1.10x faster with 8 (the rows
+// they do not fit L1) left the 2 MB L2 thrashing: 2,048 rows 1.12x faster with 8 (the rows
 // held in L1 instead, a timing-only build: 1.24x). Each sum is the same products in the same
 // order as in run, so a row's result does not depend on the step's rows.
 constexpr int64_t ROW_BLOCKS = 16, ITEM_ROW_BYTES = 768 << 10;
