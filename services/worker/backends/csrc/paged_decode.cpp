@@ -1187,7 +1187,7 @@ torch::Tensor pool_check(int64_t items, int64_t item_us, int64_t fail_item) {
     for (int64_t i = lo; i < hi; ++i) {
       TORCH_CHECK(i != fail_item, "pool_check: item ", i, " failed as asked");
       const int64_t until = ferry_pool::now_ns() + 1000 * item_us;
-      while (ferry_pool::now_ns() < until) _mm_pause();
+      while (ferry_pool::now_ns() < until) ferry_pool::relax();
       counts[i].fetch_add(1, std::memory_order_relaxed);
     }
   });

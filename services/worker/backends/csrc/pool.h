@@ -23,7 +23,9 @@
 // path is); after fork() the child starts its own helpers.
 #pragma once
 #include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <linux/futex.h>
 #include <omp.h>
 #include <pthread.h>
@@ -46,6 +48,16 @@ namespace ferry_pool {
 inline bool& inside() {  // whether this thread is running a job's share (nested jobs run inline)
   thread_local bool in = false;
   return in;
+}
+
+// One wait of a spin loop: PAUSE on x86 (the build is portable elsewhere: the kernels fall
+// back to plain loops off x86, and a pool that did not build would take them all down).
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
 }
 
 inline int64_t now_ns() {
@@ -92,7 +104,7 @@ class Pool {
     inside() = false;
     open_.store(false, std::memory_order_seq_cst);
     for (int spins = 0; entered_.load(std::memory_order_seq_cst) != 0; ++spins) {
-      if (spins < 256) _mm_pause();
+      if (spins < 256) relax();
       else sched_yield();  // a helper off its core mid-item: let it have this one
     }
     if (mine) std::rethrow_exception(mine);
@@ -119,7 +131,7 @@ class Pool {
       for (int i = 0; seq_.load(std::memory_order_acquire) == seen; ++i) {
         // past a few microseconds, let any other thread that wants this core have it (an
         // OpenMP thread of torch's: float32's oneDNN products; the gateway, the scheduler)
-        if (i < 64) _mm_pause();
+        if (i < 64) relax();
         else sched_yield();
         if ((i & 63) == 63 && now_ns() > until) {
           sleepers_.fetch_add(1, std::memory_order_seq_cst);

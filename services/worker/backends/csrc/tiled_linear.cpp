@@ -518,8 +518,7 @@ static void run(const c10::BFloat16* x, int64_t m, int64_t K, int64_t groups, Ti
   // each participant its own range of groups front to back, then the others' from their backs
   // one at a time (work_split.h); what it requests ahead is the group after, whoever runs it
   const int64_t threads = at::in_parallel_region() ? 1 : std::clamp<int64_t>(at::get_num_threads(), 1, groups);
-  std::vector<StealRange> ranges(threads);
-  for (int64_t t = 0; t < threads; ++t) ranges[t].set(groups * t / threads, groups * (t + 1) / threads);
+  std::vector<StealRange> ranges = even_ranges(groups, threads);
   ferry_pool::run(threads, [&](int64_t t) {
     amx_configure();
     Pipelined<Epilogue> pipe(epilogue);

@@ -31,6 +31,13 @@ struct alignas(64) StealRange {
   }
 };
 
+// [0, n) in `threads` contiguous ranges of about equal count, one per participant.
+static inline std::vector<StealRange> even_ranges(int64_t n, int64_t threads) {
+  std::vector<StealRange> ranges(threads);
+  for (int64_t t = 0; t < threads; ++t) ranges[t].set(n * t / threads, n * (t + 1) / threads);
+  return ranges;
+}
+
 // Whether parallel_by_cost and parallel_rows take work between threads (work_stealing sets it;
 // the linear layers' parallel_stealing always does).
 inline bool stealing_on = true;
@@ -103,8 +110,7 @@ static void parallel_stealing(int64_t n, F&& f) {
     for (int64_t i = 0; i < n; ++i) f(i);
     return;
   }
-  std::vector<StealRange> ranges(threads);
-  for (int64_t t = 0; t < threads; ++t) ranges[t].set(n * t / threads, n * (t + 1) / threads);
+  std::vector<StealRange> ranges = even_ranges(n, threads);
   ferry_pool::run(threads, [&](int64_t t) { run_and_take(ranges, t, 1, [&](int64_t i, int64_t) { f(i); }); });
 }
 
@@ -121,8 +127,7 @@ static void parallel_for(int64_t begin, int64_t end, int64_t grain, F&& f) {
     f(begin, end);
     return;
   }
-  std::vector<StealRange> ranges(threads);
-  for (int64_t t = 0; t < threads; ++t) ranges[t].set(items * t / threads, items * (t + 1) / threads);
+  std::vector<StealRange> ranges = even_ranges(items, threads);
   ferry_pool::run(threads, [&](int64_t t) {
     run_and_take(ranges, t, 0, [&](int64_t lo, int64_t hi) { f(begin + lo * g, std::min(end, begin + hi * g)); });
   });
