@@ -420,7 +420,7 @@ struct HeadScratch {
 // while nothing else is in flight. A 16-bit cache requests its rows in the order they are first
 // touched, a little ahead (RowStream: this item's keys, its values, then the next item's first
 // keys; 12-18 % less time per step than NextRows on a fresh server's layout, a few percent
-// on scattered blocks). A float8 cache requests the next item's rows a few tokens per scoring
+// on scattered blocks). A float8 (or float32) cache requests the next item's rows a few tokens per scoring
 // pass (NextRows: 17-27 % less than no prefetch; RowStream was slower there). A bfloat16 cache
 // through FMAs (SPLIT) has each KV head's pass request its own slice of the rows further on
 // (see SLICE_AHEAD). A burst of the whole next item at once stalled the core on its miss
@@ -961,17 +961,17 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
       if constexpr (!std::is_same_v<scalar_t, double>) {
       // Enough requests to keep every thread busy, none longer than a thread's share: one item per request.
       const bool rows = whole_rows(seq_lens, head_dim);
-      // bfloat16/float16/float8 caches with the usual group sizes (query heads per KV head) and
-      // head sizes: sixteen tokens per scoring pass, the group's accumulators in registers.
+      // Caches of the usual group sizes (query heads per KV head) and head sizes: sixteen tokens
+      // per scoring pass, the group's accumulators in registers.
       const int64_t group = num_heads / num_kv_heads;
       bool done = false;
       auto grouped = [&](auto nv, auto g) {
         constexpr int64_t NV = decltype(nv)::value, G = decltype(g)::value;
-        // Not for float32 caches: their rows are twice as long and memory-bound steps ran
-        // slower this way than with whole rows per pass (docs/benchmarks.md).
-        if constexpr (std::is_same_v<cache_t, float>) {
-          return;
-        } else {
+        // float32 caches too: the fifth session's grouped kernel ran slower than whole rows per
+        // pass on a Zen 4 EPYC's fresh layout (40 against 26-34 ms a step), the kernel as it is
+        // now (its next-item requests) took 0.83-0.91x decode_kernel_avx512's time on a Xeon
+        // with AMX on every layout, 0.88x in the offline float32 common load
+        // (docs/benchmarks.md, "Prompt attention without its allocations").
         if (done || head_dim != NV * 16 || group != G) return;
         done = true;
         auto go = [&](auto kernel) {
@@ -985,7 +985,6 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
         }
 #endif
         go(decode_kernel_grouped<scalar_t, cache_t, NV, G, false>);
-        }
       };
       using I4 = std::integral_constant<int64_t, 4>;
       using I8 = std::integral_constant<int64_t, 8>;
