@@ -109,6 +109,31 @@ struct ContextRows {
   }
 };
 
+// A buffer of 64-byte aligned lines (tile rows and vectors never straddle two) that grows to
+// the largest size asked of it and keeps its contents (none cleared).
+template <typename T>
+struct Grown {
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T[], Free> data;
+  int64_t size = 0;
+  T* get(int64_t n) {
+    if (n > size) {
+      const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+      T* p = static_cast<T*>(std::aligned_alloc(64, bytes));
+      TORCH_CHECK(p != nullptr, "prefill scratch: out of memory");
+      data.reset(p);
+      size = n;
+    }
+    return data.get();
+  }
+};
+struct PrefillScratch {
+  Grown<float> o, s;
+  Grown<uint32_t> p, q;
+};
+
 #if defined(__AVX512F__)
 #include "vec512.h"
 
@@ -168,13 +193,52 @@ template <typename scalar_t, typename cache_t, int64_t NV>
 void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                     const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                     float scale) {
-  constexpr int64_t D = NV * 16;
+  constexpr int64_t D = NV * 16, TILE = D * BK;  // floats per key (or value) tile
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
+  // Every (chunk, KV head)'s keys transposed to [tile][D][BK] and values as [tile][BK][D],
+  // float32, zero past the context, once per call before the items run: each of a chunk's
+  // query tiles did this for itself before (a 200-token prompt's keys ~6.5 times over), with
+  // a scalar store per key element. first[s * num_kv_heads + kvh]: that panel's first tile.
+  std::vector<int64_t> first(num_spans * num_kv_heads + 1, 0);
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (panel, tile)
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t len = spans[cols * s + 1] - spans[cols * s], prefix = cols > 2 ? spans[cols * s + 2] : 0;
+    const int64_t n = (prefix + len + BK - 1) / BK;
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      const int64_t pi = s * num_kv_heads + kvh;
+      for (int64_t t = 0; t < n; ++t) tiles.emplace_back(pi, t);
+      first[pi + 1] = first[pi] + n;
+    }
+  }
+  Grown<float> k_tiles, v_tiles;  // (64-byte aligned: each vector one line)
+  float* const kp = k_tiles.get(first.back() * TILE);
+  float* const vp = v_tiles.get(first.back() * TILE);
+  parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pi = tiles[i].first, t = tiles[i].second, s = pi / num_kv_heads, kvh = pi % num_kv_heads;
+      const int64_t start = spans[cols * s], len = spans[cols * s + 1] - start, prefix = cols > 2 ? spans[cols * s + 2] : 0;
+      const int64_t k0 = t * BK, kn = std::min(BK, prefix + len - k0);
+      float* Kt = kp + (first[pi] + t) * TILE;
+      float* Vf = vp + (first[pi] + t) * TILE;
+      std::fill(Kt, Kt + TILE, 0.f);
+      for (int64_t c = 0; c < kn; ++c) {
+        const cache_t* kr = rows.key(s, start, kvh, k0 + c);
+        const cache_t* vr = rows.value(s, start, kvh, k0 + c);
+        alignas(64) float tmp[D];
+        for (int64_t vv = 0; vv < NV; ++vv) {
+          _mm512_store_ps(tmp + vv * 16, load16(kr + vv * 16));
+          _mm512_store_ps(Vf + c * D + vv * 16, load16(vr + vv * 16));
+        }
+        for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
+      }
+      std::fill(Vf + kn * D, Vf + TILE, 0.f);
+    }
+  });
   parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) { return item_cost(items[i], BQ); },
                    [&](int64_t begin, int64_t end) {
-    std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
+    std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK);
     std::vector<float> m(rows_max), l(rows_max * 16);
     for (int64_t it = begin; it < end; ++it) {
       const PrefillItem& item = items[it];
@@ -193,28 +257,21 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t kend = item.prefix + item.q0 + nq;  // keys [0, kend): the tile's last token sees them all
+      const int64_t panel = first[item.span * num_kv_heads + item.kvh];
       for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t kn = std::min(BK, kend - k0);
-        // key tile transposed to [D][BK], value tile as [BK][D], both float32, zero past kn
-        std::fill(Kt.begin(), Kt.end(), 0.f);
-        for (int64_t c = 0; c < kn; ++c) {
-          const cache_t* kr = rows.key(item.span, item.start, item.kvh, k0 + c);
-          const cache_t* vr = rows.value(item.span, item.start, item.kvh, k0 + c);
-          alignas(64) float tmp[D];
-          for (int64_t vv = 0; vv < NV; ++vv) {
-            _mm512_store_ps(tmp + vv * 16, load16(kr + vv * 16));
-            _mm512_storeu_ps(Vf.data() + c * D + vv * 16, load16(vr + vv * 16));
-          }
-          for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
-        }
-        std::fill(Vf.begin() + kn * D, Vf.end(), 0.f);
+        // the key tile transposed to [D][BK], the value tile as [BK][D] (laid out above): the
+        // tile's keys past kn are zeros there, or the context's next keys, which the causal
+        // mask below never lets through
+        const float* Kt = kp + (panel + k0 / BK) * TILE;
+        const float* Vf = vp + (panel + k0 / BK) * TILE;
         // S = Q K^T: four rows x 32 keys per pass
         for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
           __m512 a[4][2];
           for (auto& row : a) row[0] = row[1] = _mm512_setzero_ps();
           const float* qr = Qf.data() + r0 * D;
           for (int64_t d = 0; d < D; ++d) {
-            const __m512 k0v = _mm512_loadu_ps(Kt.data() + d * BK), k1v = _mm512_loadu_ps(Kt.data() + d * BK + 16);
+            const __m512 k0v = _mm512_loadu_ps(Kt + d * BK), k1v = _mm512_loadu_ps(Kt + d * BK + 16);
             for (int64_t rr = 0; rr < 4; ++rr) {
               const __m512 qb = _mm512_set1_ps(qr[rr * D + d]);
               a[rr][0] = _mm512_fmadd_ps(qb, k0v, a[rr][0]);
@@ -242,7 +299,7 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
           load_rows<NV>(O.data() + r0 * NV * 16, nr, acc);
           for (int64_t c = 0; c < kn; ++c) {
             __m512 vrow[NV];
-            for (int64_t vv = 0; vv < NV; ++vv) vrow[vv] = _mm512_loadu_ps(Vf.data() + c * D + vv * 16);
+            for (int64_t vv = 0; vv < NV; ++vv) vrow[vv] = _mm512_loadu_ps(Vf + c * D + vv * 16);
             for (int64_t rr = 0; rr < 2; ++rr) {
               const __m512 p = _mm512_set1_ps(S[(r0 + rr) * BK + c]);
               for (int64_t vv = 0; vv < NV; ++vv) acc[rr][vv] = _mm512_fmadd_ps(p, vrow[vv], acc[rr][vv]);
@@ -322,30 +379,6 @@ inline void lay_out_tile_bf16(K&& key, V&& value, int64_t kn, uint32_t* kt, uint
 // A cache element's value as bfloat16 bits (exact for float8 e4m3).
 static inline uint16_t bf16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(static_cast<float>(x)).x; }
 
-// A buffer of 64-byte aligned lines (tile rows and vectors never straddle two) that grows to
-// the largest size asked of it and keeps its contents (none cleared).
-template <typename T>
-struct Grown {
-  struct Free {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T[], Free> data;
-  int64_t size = 0;
-  T* get(int64_t n) {
-    if (n > size) {
-      const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
-      T* p = static_cast<T*>(std::aligned_alloc(64, bytes));
-      TORCH_CHECK(p != nullptr, "prefill scratch: out of memory");
-      data.reset(p);
-      size = n;
-    }
-    return data.get();
-  }
-};
-struct PrefillScratch {
-  Grown<float> o, s;
-  Grown<uint32_t> p, q;
-};
 
 // bfloat16 on CPUs with AVX512-BF16: Q.K^T and P.V as bf16 dot products (vdpbf16ps, two
 // products per float32 lane and instruction, half the instructions of float32 FMAs), with
