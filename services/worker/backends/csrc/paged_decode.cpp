@@ -420,8 +420,9 @@ struct HeadScratch {
 // while nothing else is in flight. A 16-bit cache requests its rows in the order they are first
 // touched, a little ahead (RowStream: this item's keys, its values, then the next item's first
 // keys; 12-18 % less time per step than NextRows on a fresh server's layout, a few percent
-// on scattered blocks). A float8 (or float32) cache requests the next item's rows a few tokens per scoring
-// pass (NextRows: 17-27 % less than no prefetch; RowStream was slower there). A bfloat16 cache
+// on scattered blocks). A float8 or float32 cache requests the next item's rows a few tokens
+// per scoring pass (NextRows: 17-27 % less than no prefetch for float8; RowStream was slower
+// there). A bfloat16 cache
 // through FMAs (SPLIT) has each KV head's pass request its own slice of the rows further on
 // (see SLICE_AHEAD). A burst of the whole next item at once stalled the core on its miss
 // buffers and gained nothing.
@@ -970,8 +971,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
         // float32 caches too: the fifth session's grouped kernel ran slower than whole rows per
         // pass on a Zen 4 EPYC's fresh layout (40 against 26-34 ms a step), the kernel as it is
         // now (its next-item requests) took 0.83-0.91x decode_kernel_avx512's time on a Xeon
-        // with AMX on every layout, 0.88x in the offline float32 common load
-        // (docs/benchmarks.md, "Prompt attention without its allocations").
+        // with AMX on every layout, and 0.88x of the decode kernel's time in the offline float32
+        // common load (docs/benchmarks.md, "Prompt attention without its allocations").
         if (done || head_dim != NV * 16 || group != G) return;
         done = true;
         auto go = [&](auto kernel) {

@@ -76,6 +76,31 @@ struct PrefillItem { int64_t start, len, kvh, q0, prefix, span; };
   return items;
 }
 
+// Each (chunk, KV head) of a call's spans as a panel of bk-key tiles over its whole context
+// (prefix included), the panels in (span, KV head) order, and every (panel, tile) pair: what
+// the AVX-512 kernels lay out once per call before their work items run. off: the panel's
+// first tile; prefix: context positions before the chunk's first query.
+struct Panel { int64_t start, len, kvh, off, prefix, span; };
+struct Panels {
+  std::vector<Panel> panels;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (panel, tile)
+  int64_t num_tiles = 0;
+};
+[[maybe_unused]] static Panels chunk_panels(const int64_t* spans, int64_t num_spans, int64_t cols, int64_t num_kv_heads,
+                                            int64_t bk) {
+  Panels p;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t start = spans[cols * s], len = spans[cols * s + 1] - start, prefix = cols > 2 ? spans[cols * s + 2] : 0;
+    const int64_t n = (prefix + len + bk - 1) / bk;
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      for (int64_t t = 0; t < n; ++t) p.tiles.emplace_back(static_cast<int64_t>(p.panels.size()), t);
+      p.panels.push_back({start, len, kvh, p.num_tiles, prefix, s});
+      p.num_tiles += n;
+    }
+  }
+  return p;
+}
+
 // A work item's cost for parallel_by_cost: its queries times the keys they attend to, plus a
 // little for what every item pays. Items are split by cost, not count: a chunk after a long
 // cached prefix costs many times a fresh prompt's chunk per query tile.
@@ -200,32 +225,21 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
   // Every (chunk, KV head)'s keys transposed to [tile][D][BK] and values as [tile][BK][D],
   // float32, zero past the context, once per call before the items run: each of a chunk's
   // query tiles did this for itself before (a 200-token prompt's keys ~6.5 times over), with
-  // a scalar store per key element. first[s * num_kv_heads + kvh]: that panel's first tile.
-  std::vector<int64_t> first(num_spans * num_kv_heads + 1, 0);
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (panel, tile)
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t len = spans[cols * s + 1] - spans[cols * s], prefix = cols > 2 ? spans[cols * s + 2] : 0;
-    const int64_t n = (prefix + len + BK - 1) / BK;
-    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-      const int64_t pi = s * num_kv_heads + kvh;
-      for (int64_t t = 0; t < n; ++t) tiles.emplace_back(pi, t);
-      first[pi + 1] = first[pi] + n;
-    }
-  }
+  // a scalar store per key element. Panel s * num_kv_heads + kvh is chunk s's KV head kvh.
+  const Panels pl = chunk_panels(spans, num_spans, cols, num_kv_heads, BK);
   Grown<float> k_tiles, v_tiles;  // (64-byte aligned: each vector one line)
-  float* const kp = k_tiles.get(first.back() * TILE);
-  float* const vp = v_tiles.get(first.back() * TILE);
-  parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+  float* const kp = k_tiles.get(pl.num_tiles * TILE);
+  float* const vp = v_tiles.get(pl.num_tiles * TILE);
+  parallel_for(0, static_cast<int64_t>(pl.tiles.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t pi = tiles[i].first, t = tiles[i].second, s = pi / num_kv_heads, kvh = pi % num_kv_heads;
-      const int64_t start = spans[cols * s], len = spans[cols * s + 1] - start, prefix = cols > 2 ? spans[cols * s + 2] : 0;
-      const int64_t k0 = t * BK, kn = std::min(BK, prefix + len - k0);
-      float* Kt = kp + (first[pi] + t) * TILE;
-      float* Vf = vp + (first[pi] + t) * TILE;
+      const Panel& pn = pl.panels[pl.tiles[i].first];
+      const int64_t t = pl.tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
+      float* Kt = kp + (pn.off + t) * TILE;
+      float* Vf = vp + (pn.off + t) * TILE;
       std::fill(Kt, Kt + TILE, 0.f);
       for (int64_t c = 0; c < kn; ++c) {
-        const cache_t* kr = rows.key(s, start, kvh, k0 + c);
-        const cache_t* vr = rows.value(s, start, kvh, k0 + c);
+        const cache_t* kr = rows.key(pn.span, pn.start, pn.kvh, k0 + c);
+        const cache_t* vr = rows.value(pn.span, pn.start, pn.kvh, k0 + c);
         alignas(64) float tmp[D];
         for (int64_t vv = 0; vv < NV; ++vv) {
           _mm512_store_ps(tmp + vv * 16, load16(kr + vv * 16));
@@ -257,7 +271,7 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t kend = item.prefix + item.q0 + nq;  // keys [0, kend): the tile's last token sees them all
-      const int64_t panel = first[item.span * num_kv_heads + item.kvh];
+      const int64_t panel = pl.panels[item.span * num_kv_heads + item.kvh].off;
       for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t kn = std::min(BK, kend - k0);
         // the key tile transposed to [D][BK], the value tile as [BK][D] (laid out above): the
@@ -406,21 +420,11 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
   constexpr int64_t RB = AMX ? 16 : QR;  // rows per Q.K^T pass
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + RB - 1) / RB * RB;
-  // off: first tile of this (chunk, KV head) in the laid-out key and value tiles (kp, vp);
-  // prefix: context positions before the chunk's first query
-  struct Panel { int64_t start, len, kvh, off, prefix, span; };
-  std::vector<Panel> panels;
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (panel, tile)
-  int64_t num_tiles = 0;
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t start = spans[cols * s], len = spans[cols * s + 1] - start, prefix = cols > 2 ? spans[cols * s + 2] : 0;
-    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-      const int64_t n = (prefix + len + BK - 1) / BK;
-      for (int64_t t = 0; t < n; ++t) tiles.emplace_back(static_cast<int64_t>(panels.size()), t);
-      panels.push_back({start, len, kvh, num_tiles, prefix, s});
-      num_tiles += n;
-    }
-  }
+  // each (chunk, KV head)'s tiles in the laid-out key and value tiles (kp, vp) from its off
+  const Panels pl = chunk_panels(spans, num_spans, cols, num_kv_heads, BK);
+  const std::vector<Panel>& panels = pl.panels;
+  const std::vector<std::pair<int64_t, int64_t>>& tiles = pl.tiles;
+  const int64_t num_tiles = pl.num_tiles;
   // not zeroed: the layout below writes every word of every tile (zeros past the context)
   // (64-byte aligned: every tile row one line)
   Grown<uint32_t> k_tiles, v_tiles;
