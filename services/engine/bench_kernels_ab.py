@@ -14,7 +14,9 @@ same data in alternating rounds, reporting each one's median over the rounds:
 - ``mixed``: decode steps whose contexts differ widely (one long conversation among short
   ones), where the split of work between threads matters;
 - ``prefill``: fresh prompts through the causal prompt kernel (8 x 200 tokens, 10 x 200 + 48,
-  one 1,000-token prompt, four uneven ones, one of 1,000 tokens beside ten of 100);
+  one 1,000-token prompt, four uneven ones, one of 1,000 tokens beside ten of 100), in each
+  of ``--prefill-dtypes`` (bfloat16 and float32: ``--dtype auto`` on a CPU without native
+  bfloat16 serves float32);
 - ``linear`` (not by default; a CPU with AMX): the AMX tile products of SmolLM2-135M's four
   projections (q/k/v, o_proj, gate/up with its SiLU, down) over ``--layers`` layers' own
   weights at each of ``--linear-rows`` row counts (decode steps' 8-128, prompt steps' past 128).
@@ -180,15 +182,16 @@ def run_prefill(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[
     rows = []
     gen = torch.Generator().manual_seed(1)
     width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    for lens in ([200] * 8, [200] * 10 + [48], [1000], [37, 300, 5, 129], [1000] + [100] * 10, [100] * 10 + [1000]):
+    cases = ([200] * 8, [200] * 10 + [48], [1000], [37, 300, 5, 129], [1000] + [100] * 10, [100] * 10 + [1000])
+    for dtype, lens in itertools.product(args.prefill_dtypes, cases):
         total = sum(lens)
-        qkv = torch.randn(total, width, generator=gen).to(torch.bfloat16)  # strided views, as the runner has them
+        qkv = torch.randn(total, width, generator=gen).to(dtype)  # strided views, as the runner has them
         q = qkv[:, : HEADS * HEAD_DIM].view(total, HEADS, HEAD_DIM)
         k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(total, KV_HEADS, HEAD_DIM)
         v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(total, KV_HEADS, HEAD_DIM)
         starts = [sum(lens[:i]) for i in range(len(lens))]
         spans = torch.tensor([(s, s + n) for s, n in zip(starts, lens, strict=True)], dtype=torch.int64)
-        outs = {name: torch.empty(total, HEADS, HEAD_DIM, dtype=torch.bfloat16) for name in kernels}
+        outs = {name: torch.empty(total, HEADS, HEAD_DIM, dtype=dtype) for name in kernels}
         fns: dict[str, Callable[[], float]] = {}
         for name, kern in kernels.items():
             kern.prefill_attention(q, k, v, outs[name], spans, HEAD_DIM**-0.5, True)
@@ -203,9 +206,9 @@ def run_prefill(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[
         identical = same_bits(outs["base"], outs["this"])
         label = (f"{len(lens)} x {lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens)) if len(lens) < 6
                  else "+".join(f"{len(list(g))} x {x}" for x, g in itertools.groupby(lens)))
-        print(f"prefill bfloat16 {label} tokens: base {ms['base']:.3f} ms, this {ms['this']:.3f} ms "
+        print(f"prefill {str(dtype).removeprefix('torch.')} {label} tokens: base {ms['base']:.3f} ms, this {ms['this']:.3f} ms "
               f"({ms['this'] / ms['base'] - 1:+.1%}); bit-identical: {identical}", flush=True)
-        rows.append({"part": "prefill", "lens": lens, "base_ms": ms["base"], "this_ms": ms["this"],
+        rows.append({"part": "prefill", "dtype": str(dtype), "lens": lens, "base_ms": ms["base"], "this_ms": ms["this"],
                      "bit_identical": identical})
     return rows
 
@@ -266,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dot", choices=("on", "auto", "rule"), default="on",
                    help="decode bf16_dot: on for both trees; auto: this tree as the backend chooses, the base "
                         "tree dot products; rule: both trees as the backend chooses")
+    p.add_argument("--prefill-dtypes", default="bfloat16,float32",
+                   type=lambda v: [getattr(torch, d.strip()) for d in v.split(",")],
+                   help="query/key/value dtypes of the prefill part")
     p.add_argument("--rounds", type=int, default=8, help="alternating rounds per case")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path)

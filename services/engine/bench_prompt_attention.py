@@ -7,11 +7,12 @@ headers beside it, read with ``git show``) or a directory holding them. Both are
 extensions of their own (only the prompt kernels), then:
 
 - ``kernel``: for each ``--shapes`` entry (prompt lengths, e.g. ``200x10,48`` = ten 200-token
-  prompts and a 48-token chunk, as one step), ``--layers`` calls on distinct random bfloat16
+  prompts and a 48-token chunk, as one step), ``--layers`` calls on distinct random ``--dtype``
   q/k/v (strided views of one q/k/v product, SmolLM2's 9 query and 3 KV heads of 64 by
   default), the two versions alternating round by round; medians, useful GFLOP/s (causal),
   the largest difference between the versions' outputs and each one's against float32 SDPA.
-- ``model``: the default model in bfloat16 on the common load (64 x 200-token prompts, 64
+- ``model``: the default model in ``--dtype`` (bfloat16 unless told; ``auto`` as ``ferry
+  serve`` chooses: float32 on a CPU without native bfloat16) on the common load (64 x 200-token prompts, 64
   output tokens, greedy) through the offline engine, the CPU backend's prompt kernels switched
   between the two versions run by run (ABBA order); output tok/s and the seconds of prompt
   and decode steps per run.
@@ -94,12 +95,12 @@ def _lengths(shape: str) -> list[int]:
 
 
 def kernel(mods: dict[str, Any], shapes: list[str], layers: int, rounds: int, heads: int, kv_heads: int,
-           head_dim: int) -> list[dict[str, Any]]:
-    return [_one_shape(mods, shape, layers, rounds, heads, kv_heads, head_dim) for shape in shapes]
+           head_dim: int, dtype: str = "bfloat16") -> list[dict[str, Any]]:
+    return [_one_shape(mods, shape, layers, rounds, heads, kv_heads, head_dim, dtype) for shape in shapes]
 
 
 def _one_shape(mods: dict[str, Any], shape: str, layers: int, rounds: int, heads: int, kv_heads: int,
-               head_dim: int) -> dict[str, Any]:
+               head_dim: int, dtype_name: str) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
@@ -111,8 +112,9 @@ def _one_shape(mods: dict[str, Any], shape: str, layers: int, rounds: int, heads
     spans = torch.tensor([[starts[i], starts[i + 1]] for i in range(len(lens))], dtype=torch.int64)
     gen = torch.Generator().manual_seed(0)
     width = (heads + 2 * kv_heads) * head_dim
-    qkvs = [torch.randn(total, width, generator=gen).to(torch.bfloat16) for _ in range(layers)]
-    outs = {v: [torch.empty(total, heads, head_dim, dtype=torch.bfloat16) for _ in qkvs] for v in mods}
+    dtype = getattr(torch, dtype_name)
+    qkvs = [torch.randn(total, width, generator=gen).to(dtype) for _ in range(layers)]
+    outs = {v: [torch.empty(total, heads, head_dim, dtype=dtype) for _ in qkvs] for v in mods}
 
     def views(x: Any) -> tuple[Any, Any, Any]:
         q = x[:, : heads * head_dim].view(total, heads, head_dim)
@@ -138,7 +140,7 @@ def _one_shape(mods: dict[str, Any], shape: str, layers: int, rounds: int, heads
         kk, vv = (x[a:b].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0) for x in (key, value))
         ref[a:b] = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=head_dim**-0.5).transpose(0, 1)
     flop = layers * sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lens)
-    row: dict[str, Any] = {"shape": shape, "layers": layers, "rounds": rounds}
+    row: dict[str, Any] = {"shape": shape, "dtype": dtype_name, "layers": layers, "rounds": rounds}
     for name in mods:
         med = statistics.median(times[name])
         row[f"{name}_ms"] = round(med * 1e3, 3)
@@ -165,11 +167,12 @@ class _PromptKernels:
         return getattr(self._base, name)
 
 
-def model(against: Any, runs: int, num_prompts: int = 64, prompt_len: int = 200, max_tokens: int = 64) -> dict[str, Any]:
+def model(against: Any, runs: int, num_prompts: int = 64, prompt_len: int = 200, max_tokens: int = 64,
+          dtype: str = "bfloat16") -> dict[str, Any]:
     from services.engine.offline import LLM, GenerationParams
     from services.worker.backends.cpu_paged import CpuPagedBackend
 
-    llm = LLM(model="smollm2-135m-instruct", dtype="bfloat16", num_threads=2, max_num_batched_tokens=2048,
+    llm = LLM(model="smollm2-135m-instruct", dtype=dtype, num_threads=2, max_num_batched_tokens=2048,
               max_num_seqs=128, enable_prefix_caching=False, enable_chunked_prefill=True)
     llm.generate([[1, 2, 3]], GenerationParams(max_tokens=2))
     runner, backend = llm.runner, llm.runner.attn_backend
@@ -224,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", default="9,3", help="query heads, KV heads (kernel)")
     p.add_argument("--head-dim", type=int, default=64, help="64 or 128 (kernel)")
     p.add_argument("--runs", type=int, default=6, help="runs of the common load, alternating (model)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"),
+                   help="q/k/v (kernel; auto: bfloat16) and the model's dtype (model)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -238,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {**header("services.engine.bench_prompt_attention", argv), "against": label}
     if "kernel" in parts:
         shapes = [s for s in args.shapes.split(";") if s.strip()]
-        result["kernel"] = kernel(mods, shapes, args.layers, args.rounds, heads, kv_heads, args.head_dim)
+        kernel_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        result["kernel"] = kernel(mods, shapes, args.layers, args.rounds, heads, kv_heads, args.head_dim, kernel_dtype)
     if "model" in parts:
-        result["model"] = model(mods["against"], args.runs)
+        result["model"] = model(mods["against"], args.runs, dtype=args.dtype)
     write_json(args.out, result)
     return 0
 

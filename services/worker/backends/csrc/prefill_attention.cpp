@@ -78,8 +78,8 @@ struct PrefillItem { int64_t start, len, kvh, q0, prefix, span; };
 
 // Each (chunk, KV head) of a call's spans as a panel of bk-key tiles over its whole context
 // (prefix included), the panels in (span, KV head) order, and every (panel, tile) pair: what
-// the AVX-512 kernels lay out once per call before their work items run. off: the panel's
-// first tile; prefix: context positions before the chunk's first query.
+// the kernels lay out once per call before their work items run. off: the panel's first
+// tile; prefix: context positions before the chunk's first query.
 struct Panel { int64_t start, len, kvh, off, prefix, span; };
 struct Panels {
   std::vector<Panel> panels;
@@ -748,19 +748,46 @@ constexpr int64_t BK = 16;  // keys per tile (two vectors of scores)
 
 // The AVX-512 kernel's scheme (above) in eight-lane vectors, for CPUs without AVX-512: every
 // dtype in float32 FMAs. S = Q K^T four rows x 16 keys per pass (8 accumulators); O += P V
-// two rows x 32 output elements per pass (8 accumulators), the value tile from L1.
+// two rows x 32 output elements per pass (8 accumulators), the value tile from L1. Every
+// (chunk, KV head)'s keys and values are laid out once per call, as the AVX-512 float32
+// kernel does (each query tile transposed its own copy of every key tile before).
 template <typename scalar_t, typename cache_t, int64_t NV>
 void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                      const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                      float scale) {
-  constexpr int64_t D = NV * 8, CH = 4;
+  constexpr int64_t D = NV * 8, CH = 4, TILE = D * BK;  // floats per key (or value) tile
   static_assert(NV % CH == 0, "head size a multiple of 32");
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
+  // keys transposed to [tile][D][BK], values as [tile][BK][D], float32, zero past the context
+  const Panels pl = chunk_panels(spans, num_spans, cols, num_kv_heads, BK);
+  Grown<float> k_tiles, v_tiles;
+  float* const kp = k_tiles.get(pl.num_tiles * TILE);
+  float* const vp = v_tiles.get(pl.num_tiles * TILE);
+  parallel_for(0, static_cast<int64_t>(pl.tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Panel& pn = pl.panels[pl.tiles[i].first];
+      const int64_t t = pl.tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
+      float* Kt = kp + (pn.off + t) * TILE;
+      float* Vf = vp + (pn.off + t) * TILE;
+      std::fill(Kt, Kt + TILE, 0.f);
+      for (int64_t c = 0; c < kn; ++c) {
+        const cache_t* kr = rows.key(pn.span, pn.start, pn.kvh, k0 + c);
+        const cache_t* vr = rows.value(pn.span, pn.start, pn.kvh, k0 + c);
+        alignas(32) float tmp[D];
+        for (int64_t vv = 0; vv < NV; ++vv) {
+          _mm256_store_ps(tmp + vv * 8, load8(kr + vv * 8));
+          _mm256_store_ps(Vf + c * D + vv * 8, load8(vr + vv * 8));
+        }
+        for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
+      }
+      std::fill(Vf + kn * D, Vf + TILE, 0.f);
+    }
+  });
   parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) { return item_cost(items[i], BQ); },
                    [&](int64_t begin, int64_t end) {
-    std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK), Kt(D * BK), Vf(BK * D);
+    std::vector<float> Qf(rows_max * D), O(rows_max * D), S(rows_max * BK);
     std::vector<float> m(rows_max), l(rows_max);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
@@ -780,27 +807,19 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const Contex
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t kend = item.prefix + item.q0 + nq;  // keys [0, kend) of the context
+      const int64_t panel = pl.panels[item.span * num_kv_heads + item.kvh].off;
       for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t kn = std::min(BK, kend - k0);
-        // key tile transposed to [D][BK], value tile as [BK][D], both float32, zero past kn
-        std::fill(Kt.begin(), Kt.end(), 0.f);
-        for (int64_t c = 0; c < kn; ++c) {
-          const cache_t* kr = rows.key(item.span, item.start, item.kvh, k0 + c);
-          const cache_t* vr = rows.value(item.span, item.start, item.kvh, k0 + c);
-          alignas(32) float tmp[D];
-          for (int64_t vv = 0; vv < NV; ++vv) {
-            _mm256_store_ps(tmp + vv * 8, load8(kr + vv * 8));
-            _mm256_storeu_ps(Vf.data() + c * D + vv * 8, load8(vr + vv * 8));
-          }
-          for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
-        }
-        std::fill(Vf.begin() + kn * D, Vf.end(), 0.f);
+        // the key tile transposed to [D][BK], the value tile as [BK][D] (laid out above): keys
+        // past kn are zeros or the context's next keys, which the causal mask never lets through
+        const float* Kt = kp + (panel + k0 / BK) * TILE;
+        const float* Vf = vp + (panel + k0 / BK) * TILE;
         for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
           __m256 a[4][2];
           for (auto& row : a) row[0] = row[1] = _mm256_setzero_ps();
           const float* qr = Qf.data() + r0 * D;
           for (int64_t d = 0; d < D; ++d) {
-            const __m256 k0v = _mm256_loadu_ps(Kt.data() + d * BK), k1v = _mm256_loadu_ps(Kt.data() + d * BK + 8);
+            const __m256 k0v = _mm256_load_ps(Kt + d * BK), k1v = _mm256_load_ps(Kt + d * BK + 8);
             for (int64_t rr = 0; rr < 4; ++rr) {
               const __m256 qb = _mm256_broadcast_ss(qr + rr * D + d);
               a[rr][0] = _mm256_fmadd_ps(qb, k0v, a[rr][0]);
@@ -847,7 +866,7 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const Contex
               const __m256 p0 = _mm256_broadcast_ss(S.data() + r0 * BK + key);
               const __m256 p1 = _mm256_broadcast_ss(S.data() + (r0 + nr - 1) * BK + key);  // nr = 1: row r0 again
               for (int64_t vv = 0; vv < CH; ++vv) {
-                const __m256 x = _mm256_loadu_ps(Vf.data() + key * D + (c + vv) * 8);
+                const __m256 x = _mm256_load_ps(Vf + key * D + (c + vv) * 8);
                 acc[0][vv] = _mm256_fmadd_ps(p0, x, acc[0][vv]);
                 acc[1][vv] = _mm256_fmadd_ps(p1, x, acc[1][vv]);
               }
