@@ -159,6 +159,34 @@ struct PrefillScratch {
   Grown<uint32_t> p, q;
 };
 
+// The float32 kernels' panels (chunk_panels) laid out once per call, in parallel: every
+// (chunk, KV head)'s keys transposed to [tile][D][BK] and values as [tile][BK][D], zero past
+// the context. widen(src, dst) writes a cache row's D elements to dst as float32 (dst
+// 64-byte aligned: each ISA's own vector loads). Each query tile did this for itself before
+// (a 200-token prompt's keys ~6.5 times over): 0.80x the AVX-512 kernel's time, 0.87-0.93x
+// the AVX2 one's (docs/benchmarks.md).
+template <typename cache_t, int64_t D, int64_t BK, typename Widen>
+[[maybe_unused]] static void float_panels(const Panels& pl, const ContextRows<cache_t>& rows, float* kp, float* vp,
+                                          Widen widen) {
+  constexpr int64_t TILE = D * BK;
+  parallel_for(0, static_cast<int64_t>(pl.tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Panel& pn = pl.panels[pl.tiles[i].first];
+      const int64_t t = pl.tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
+      float* Kt = kp + (pn.off + t) * TILE;
+      float* Vf = vp + (pn.off + t) * TILE;
+      std::fill(Kt, Kt + TILE, 0.f);
+      for (int64_t c = 0; c < kn; ++c) {
+        alignas(64) float tmp[D];
+        widen(rows.key(pn.span, pn.start, pn.kvh, k0 + c), tmp);
+        widen(rows.value(pn.span, pn.start, pn.kvh, k0 + c), Vf + c * D);
+        for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
+      }
+      std::fill(Vf + kn * D, Vf + TILE, 0.f);
+    }
+  });
+}
+
 #if defined(__AVX512F__)
 #include "vec512.h"
 
@@ -222,33 +250,12 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
-  // Every (chunk, KV head)'s keys transposed to [tile][D][BK] and values as [tile][BK][D],
-  // float32, zero past the context, once per call before the items run: each of a chunk's
-  // query tiles did this for itself before (a 200-token prompt's keys ~6.5 times over), with
-  // a scalar store per key element. Panel s * num_kv_heads + kvh is chunk s's KV head kvh.
   const Panels pl = chunk_panels(spans, num_spans, cols, num_kv_heads, BK);
-  Grown<float> k_tiles, v_tiles;  // (64-byte aligned: each vector one line)
+  Grown<float> k_tiles, v_tiles;
   float* const kp = k_tiles.get(pl.num_tiles * TILE);
   float* const vp = v_tiles.get(pl.num_tiles * TILE);
-  parallel_for(0, static_cast<int64_t>(pl.tiles.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Panel& pn = pl.panels[pl.tiles[i].first];
-      const int64_t t = pl.tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
-      float* Kt = kp + (pn.off + t) * TILE;
-      float* Vf = vp + (pn.off + t) * TILE;
-      std::fill(Kt, Kt + TILE, 0.f);
-      for (int64_t c = 0; c < kn; ++c) {
-        const cache_t* kr = rows.key(pn.span, pn.start, pn.kvh, k0 + c);
-        const cache_t* vr = rows.value(pn.span, pn.start, pn.kvh, k0 + c);
-        alignas(64) float tmp[D];
-        for (int64_t vv = 0; vv < NV; ++vv) {
-          _mm512_store_ps(tmp + vv * 16, load16(kr + vv * 16));
-          _mm512_store_ps(Vf + c * D + vv * 16, load16(vr + vv * 16));
-        }
-        for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
-      }
-      std::fill(Vf + kn * D, Vf + TILE, 0.f);
-    }
+  float_panels<cache_t, D, BK>(pl, rows, kp, vp, [](const cache_t* src, float* dst) {
+    for (int64_t vv = 0; vv < NV; ++vv) _mm512_store_ps(dst + vv * 16, load16(src + vv * 16));
   });
   parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) { return item_cost(items[i], BQ); },
                    [&](int64_t begin, int64_t end) {
@@ -748,9 +755,8 @@ constexpr int64_t BK = 16;  // keys per tile (two vectors of scores)
 
 // The AVX-512 kernel's scheme (above) in eight-lane vectors, for CPUs without AVX-512: every
 // dtype in float32 FMAs. S = Q K^T four rows x 16 keys per pass (8 accumulators); O += P V
-// two rows x 32 output elements per pass (8 accumulators), the value tile from L1. Every
-// (chunk, KV head)'s keys and values are laid out once per call, as the AVX-512 float32
-// kernel does (each query tile transposed its own copy of every key tile before).
+// two rows x 32 output elements per pass (8 accumulators), the value tile from L1; keys and
+// values laid out once per call (float_panels).
 template <typename scalar_t, typename cache_t, int64_t NV>
 void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                      const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
@@ -760,30 +766,12 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const Contex
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
-  // keys transposed to [tile][D][BK], values as [tile][BK][D], float32, zero past the context
   const Panels pl = chunk_panels(spans, num_spans, cols, num_kv_heads, BK);
   Grown<float> k_tiles, v_tiles;
   float* const kp = k_tiles.get(pl.num_tiles * TILE);
   float* const vp = v_tiles.get(pl.num_tiles * TILE);
-  parallel_for(0, static_cast<int64_t>(pl.tiles.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Panel& pn = pl.panels[pl.tiles[i].first];
-      const int64_t t = pl.tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
-      float* Kt = kp + (pn.off + t) * TILE;
-      float* Vf = vp + (pn.off + t) * TILE;
-      std::fill(Kt, Kt + TILE, 0.f);
-      for (int64_t c = 0; c < kn; ++c) {
-        const cache_t* kr = rows.key(pn.span, pn.start, pn.kvh, k0 + c);
-        const cache_t* vr = rows.value(pn.span, pn.start, pn.kvh, k0 + c);
-        alignas(32) float tmp[D];
-        for (int64_t vv = 0; vv < NV; ++vv) {
-          _mm256_store_ps(tmp + vv * 8, load8(kr + vv * 8));
-          _mm256_store_ps(Vf + c * D + vv * 8, load8(vr + vv * 8));
-        }
-        for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
-      }
-      std::fill(Vf + kn * D, Vf + TILE, 0.f);
-    }
+  float_panels<cache_t, D, BK>(pl, rows, kp, vp, [](const cache_t* src, float* dst) {
+    for (int64_t vv = 0; vv < NV; ++vv) _mm256_store_ps(dst + vv * 8, load8(src + vv * 8));
   });
   parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) { return item_cost(items[i], BQ); },
                    [&](int64_t begin, int64_t end) {
