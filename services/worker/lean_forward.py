@@ -45,7 +45,7 @@ import torch
 from .attention import StepAttention
 from .backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from .fused_ops import FusedRMSNorm, FusedSiluMLP
-from .packed_linear import FusedHead
+from .packed_linear import FusedHead, PackedLinear
 
 log = logging.getLogger("ferry.worker.lean_forward")
 
@@ -170,6 +170,9 @@ class LeanDecoder:
                 one.head_dim, backend.decode_dot(step.kv_caches[0][0].dtype), one.packed, one.rows, self.part_times)
             return out.unsqueeze(0)
         rotary, add_norm = self.kernels.rotary, self.kernels.add_rms_norm
+        # On AMX the q/k/v product applies the rotary embedding in its epilogue (the same bits)
+        rope_in_product = (cos.dtype == torch.bfloat16 and hasattr(self.kernels, "amx_rope")
+                           and bool(self.kernels.amx_rope(-1)))
         # Each residual add is fused with the norm that follows it (x + delta, then its
         # RMSNorm, in one pass): the same bfloat16 sum and the same norm kernel as separately.
         h = self.layers[0][1](x)
@@ -177,8 +180,14 @@ class LeanDecoder:
         for i, norm1, (qkv_proj, sizes), head_dim, scale, o_proj, norm2, mlp, _ in self.layers:
             if delta is not None:
                 x, h = add_norm(x, delta, norm1.weight, norm1.variance_epsilon)
-            q, k, v = torch.split(qkv_proj(h), sizes, dim=-1)
-            q, k = rotary(q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim), cos, sin)
+            qkv = (qkv_proj.rope_forward(h, cos, sin, sizes[0] + sizes[1], head_dim)
+                   if rope_in_product and isinstance(qkv_proj, PackedLinear) else None)
+            if qkv is not None:
+                q, k, v = torch.split(qkv, sizes, dim=-1)
+                q, k = q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim)
+            else:
+                q, k, v = torch.split(qkv_proj(h), sizes, dim=-1)
+                q, k = rotary(q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim), cos, sin)
             k_cache, v_cache = step.kv_caches[i]
             o = step.backend.forward(i, q, k, v.view(tokens, -1, head_dim), k_cache, v_cache, step.metadata, scale)
             x, h = add_norm(x, o_proj(o.reshape(1, tokens, -1)), norm2.weight, norm2.variance_epsilon)

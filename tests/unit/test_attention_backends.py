@@ -558,3 +558,33 @@ def test_attention_threads_take_each_others_items_and_change_no_bit(dtype: torch
     once = same_bits_with_work_taken(kernel, run)
     assert all(torch.isfinite(t.float()).all() for t in once)
     assert once[1].abs().sum() > 0 and once[2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (12, 2, 64), (4, 4, 128), (2, 1, 96)])
+def test_decode_reads_a_query_with_its_own_token_stride(dtype: torch.dtype, heads: int, kv_heads: int,
+                                                        head_dim: int) -> None:
+    """A query that is a view of a wider q/k/v product (each token's heads contiguous, tokens
+    that product's row apart: decode_layers' query when RoPE was the product's epilogue) gives
+    the bits of the same query made contiguous, on the grouped kernels (read in place) and the
+    others (copied first); a query whose heads are not contiguous is refused by name."""
+    kernel = _cpu_kernels()
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    lens, block_size = [5, 40, 17, 33, 64, 1, 29, 50, 8], 16
+    max_blocks = -(-max(lens) // block_size)
+    k_cache = torch.randn(len(lens) * max_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(dtype)
+    table = torch.randperm(len(lens) * max_blocks, generator=gen).view(len(lens), max_blocks).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    width = (heads + 2 * kv_heads) * head_dim
+    product = torch.randn(len(lens), width, generator=gen).to(dtype)
+    view = product[:, : heads * head_dim].view(len(lens), heads, head_dim)
+    assert not view.is_contiguous()
+    scale = head_dim**-0.5
+    got = kernel.paged_decode(view, k_cache, v_cache, table, seq_lens, scale, True)
+    want = kernel.paged_decode(view.contiguous(), k_cache, v_cache, table, seq_lens, scale, True)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert float(want.float().abs().sum()) > 0
+    with pytest.raises(RuntimeError, match="heads contiguous"):
+        kernel.paged_decode(view.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, table, seq_lens,
+                            scale, True)

@@ -229,6 +229,57 @@ def test_amx_prompt_rows_give_the_bits_of_decode_rows(shape: tuple[int, int]) ->
             assert torch.all((got.float() - want).abs() <= want.abs() * 2.0**-8 + magnitude * 2.0**-24)
 
 
+@pytest.mark.parametrize("rows", [7, 32, 64, 100, 129, 300, 2051])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "bias"),
+                         [(9, 3, 64, False), (4, 1, 128, True), (2, 2, 32, True)])
+def test_amx_rope_product_gives_the_bits_of_product_then_rotary(rows: int, heads: int, kv_heads: int, head_dim: int,
+                                                                 bias: bool) -> None:
+    """The rotary embedding as the AMX q/k/v product's epilogue (amx_rope_linear; decode rows
+    and a prompt step's alike): the query and key columns equal ``amx_linear`` then ``rotary``
+    bit for bit, the value columns ``amx_linear``'s; through PackedLinear.rope_forward too, and
+    ``amx_rope(0)`` turns the fused path off (decode_layers and the prompt steps ask it)."""
+    k = _amx_kernels()
+    qw, kw = heads * head_dim, kv_heads * head_dim
+    in_f, out_f = 96, qw + 2 * kw
+    gen = torch.Generator().manual_seed(rows + head_dim)
+    w = torch.randn(out_f, in_f, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_f, generator=gen).to(torch.bfloat16).float() if bias else torch.empty(0)
+    x = torch.randn(rows, in_f, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 40  # any positions: cos/sin as rotary_emb lays them out
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(torch.bfloat16)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(torch.bfloat16)
+    tiles = k.tiled_pack(w)
+    plain = k.amx_linear(x, tiles, b)
+    q, kk = k.rotary(plain[:, :qw].view(rows, heads, head_dim), plain[:, qw:qw + kw].view(rows, kv_heads, head_dim),
+                     cos, sin)
+    got = k.amx_rope_linear(x, tiles, b, cos, sin, qw + kw, head_dim)
+    assert got.shape == (rows, out_f) and got.dtype == torch.bfloat16
+    assert torch.equal(got[:, :qw], q.reshape(rows, qw))
+    assert torch.equal(got[:, qw:qw + kw], kk.reshape(rows, kw))
+    assert torch.equal(got[:, qw + kw:], plain[:, qw + kw:])
+    assert not torch.equal(got[:, :qw], plain[:, :qw])  # the embedding did rotate them
+    assert torch.equal(k.amx_rope_linear(x, tiles, b, cos, sin, 0, head_dim), plain)  # no rope columns: the product
+    lin = nn.Linear(in_f, out_f, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if bias:
+            lin.bias.copy_(b)
+    packed = PackedLinear(lin)
+    packed.add_tiled(w, k, 6, prompt=True)
+    # PackedLinear takes it for a decode step's rows (past the tiled kernel's), not a prompt's
+    fused = packed.rope_forward(x, cos, sin, qw + kw, head_dim)
+    if 6 < rows <= k.amx_linear_rows():
+        assert fused is not None and torch.equal(fused, got)
+    else:
+        assert fused is None
+    try:
+        assert not k.amx_rope(0)
+    finally:
+        assert k.amx_rope(1)
+    with pytest.raises(RuntimeError, match="whole heads"):
+        k.amx_rope_linear(x, tiles, b, cos, sin, head_dim // 2, head_dim)
+
+
 def test_amx_prompt_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """FERRY_CPU_AMX_PROMPT: by default every projection of a layer sends prompt rows to the AMX
     products (anything else, the LM head, not); ``0`` none, a list those named; anything else is

@@ -57,7 +57,7 @@ FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention
              "rms_norm", "add_rms_norm",
              "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa",
              "tiled_linear_available", "tiled_pack", "tiled_embedding", "tiled_linear", "tiled_silu_linear", "tiled_prefetch", "work_stealing", "pool_check",
-             "amx_linear", "amx_silu_linear", "tiled_amx", "amx_linear_rows",
+             "amx_linear", "amx_silu_linear", "amx_rope_linear", "amx_rope", "tiled_amx", "amx_linear_rows",
              "decode_layers"]
 
 
@@ -220,8 +220,11 @@ class CpuPagedBackend(ReferenceBackend):
         self.kernel.write_kv(key if fp8 else key.to(k_cache.dtype), value if fp8 else value.to(v_cache.dtype),
                              k_cache, v_cache, metadata.chunks.slot_mapping)
         nd = metadata.num_decodes
-        # a float8 cache is read with the query in the model's dtype
-        q = query[:nd].contiguous() if fp8 else query[:nd].to(k_cache.dtype).contiguous()
+        # a float8 cache is read with the query in the model's dtype; paged_decode copies a
+        # query with a token stride of its own (a view of the q/k/v product) itself
+        q = query[:nd] if fp8 else query[:nd].to(k_cache.dtype)
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
         decoded = self.kernel.paged_decode(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, scale,
                                            self.decode_dot(k_cache.dtype))
         if nd == query.shape[0]:

@@ -45,6 +45,8 @@ torch::Tensor tiled_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
 torch::Tensor amx_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias);
+torch::Tensor amx_rope_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias, torch::Tensor cos,
+                              torch::Tensor sin, int64_t rope_cols, int64_t head_dim);
 int64_t amx_linear_rows();
 
 // oneDNN's product over its packed weight, the op PackedLinear.forward calls (the same bits).
@@ -58,6 +60,15 @@ static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& 
 constexpr int64_t DECODE_LAYER_PACKED = 8;
 
 constexpr int64_t DECODE_LAYER_TENSORS = 10;
+
+// Whether AMX q/k/v products take the rotary embedding as their epilogue (amx_rope_linear),
+// here and in lean_forward.py's prompt steps: mode 0 off, 1 on, anything else only asks;
+// returns whether they do from now on (for A/B runs and tests).
+static bool g_rope_in_product = true;
+bool amx_rope(int64_t mode) {
+  if (mode == 0 || mode == 1) g_rope_in_product = mode == 1;
+  return g_rope_in_product && amx_linear_rows() > 0;
+}
 
 // The parts' clocks: two clock reads at each boundary, and nothing at all without `times`.
 class PartClock {
@@ -114,6 +125,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
       on_amx = on_amx && tiles.dim() == 3 && tiles.size(0) % 2 == 0 && tiles.size(1) % 16 == 0;
     }
   const bool on_onednn = past_tiled && !on_amx;
+  // the rotary embedding in the q/k/v product's epilogue (bfloat16 cos/sin, heads a multiple of 32 wide)
+  const bool rope_in_product = g_rope_in_product && cos.scalar_type() == at::kBFloat16 && head_dim % 32 == 0 &&
+                               cos.is_contiguous() && sin.is_contiguous();
   TORCH_CHECK(!on_onednn || !packed.empty(), "more tokens than the tiled kernels take and no oneDNN weights");
   if (times.has_value())
     TORCH_CHECK(times->scalar_type() == at::kDouble && times->is_contiguous() &&
@@ -132,19 +146,27 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
       x = sum_norm[0], h = sum_norm[1];
       clock.charge(PartClock::NORM);
     }
-    const torch::Tensor qkv = on_amx ? amx_linear(h, w[2], w[3])
-                              : pw   ? onednn_linear(h, pw[0], pw[4])
-                                     : tiled_linear(h, w[2], w[3]);  // [T, qw + 2 kw]
+    // on AMX the rotary embedding is the q/k/v product's epilogue (amx_rope_linear: the same bits)
+    const bool rope_fused = on_amx && rope_in_product;
+    const torch::Tensor qkv = rope_fused ? amx_rope_linear(h, w[2], w[3], cos, sin, qw + kw, head_dim)
+                              : on_amx   ? amx_linear(h, w[2], w[3])
+                              : pw       ? onednn_linear(h, pw[0], pw[4])
+                                         : tiled_linear(h, w[2], w[3]);  // [T, qw + 2 kw]
     TORCH_CHECK(qkv.size(1) == qw + 2 * kw, "q/k/v widths");
     clock.charge(PartClock::LINEAR);
-    auto qk = rotary(qkv.narrow(1, 0, qw).view({T, heads, head_dim}), qkv.narrow(1, qw, kw).view({T, kv_heads, head_dim}),
-                     cos, sin);
-    clock.charge(PartClock::ROPE);
+    std::vector<torch::Tensor> qk;
+    if (rope_fused) {
+      qk = {qkv.narrow(1, 0, qw).view({T, heads, head_dim}), qkv.narrow(1, qw, kw).view({T, kv_heads, head_dim})};
+    } else {
+      qk = rotary(qkv.narrow(1, 0, qw).view({T, heads, head_dim}), qkv.narrow(1, qw, kw).view({T, kv_heads, head_dim}),
+                  cos, sin);
+      clock.charge(PartClock::ROPE);
+    }
     const torch::Tensor v = qkv.narrow(1, qw + kw, kw).view({T, kv_heads, head_dim});
     // as the backend's forward: keys and values in the cache's dtype (a float8 cache converts them itself)
     write_kv(fp8 ? qk[1] : qk[1].to(k_cache.scalar_type()), fp8 ? v : v.to(v_cache.scalar_type()), k_cache, v_cache,
              slots);
-    const torch::Tensor q = fp8 ? qk[0] : qk[0].to(k_cache.scalar_type()).contiguous();
+    const torch::Tensor q = fp8 ? qk[0] : qk[0].to(k_cache.scalar_type());  // paged_decode takes a token stride
     const torch::Tensor o = paged_decode(q, k_cache, v_cache, block_table, seq_lens, scales[l], bf16_dot)
                                 .to(x.scalar_type());
     clock.charge(PartClock::ATTENTION);

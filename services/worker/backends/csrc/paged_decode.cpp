@@ -741,7 +741,7 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
 // Few requests: one work item per (request, KV head), so every thread has work; at least
 // four requests per thread: one item per request (`rows`), each token's whole row read at once.
 template <typename scalar_t, typename cache_t, int64_t NV, int64_t G, bool BF16DOT>
-static void decode_kernel_grouped(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int32_t* bt,
+static void decode_kernel_grouped(const scalar_t* q, int64_t q_st, const cache_t* kc, const cache_t* vc, const int32_t* bt,
                                   const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_kv_heads,
                                   int64_t block_size, int64_t max_blocks, double scale, bool rows) {
   constexpr int64_t HD = NV * 16;
@@ -751,8 +751,8 @@ static void decode_kernel_grouped(const scalar_t* q, const cache_t* kc, const ca
     const int64_t nkv = rows ? num_kv_heads : 1;
     for_items_with_next(s, begin, end, bt, lens, max_blocks, block_size, num_kv_heads * HD, HD, per, rows,
                         [&](int64_t n, int64_t kv0, int64_t next_len) {
-      const int64_t head = (n * num_kv_heads + kv0) * G * HD;  // the range's first query head
-      decode_group<scalar_t, cache_t, NV, G, BF16DOT>(q + head, kc, vc, s.off.data(), lens[n], out + head, nkv,
+      const int64_t head = (n * num_kv_heads + kv0) * G * HD;  // the range's first query head (out)
+      decode_group<scalar_t, cache_t, NV, G, BF16DOT>(q + n * q_st + kv0 * G * HD, kc, vc, s.off.data(), lens[n], out + head, nkv,
                                                       static_cast<float>(scale), s, s.next.data(), next_len);
     });
   });
@@ -904,7 +904,7 @@ static inline void decode_group8(const scalar_t* q, const cache_t* kc, const cac
 // Few requests: one work item per (request, KV head), so every thread has work; at least
 // four requests per thread: one item per request (`rows`), each token's whole row read at once.
 template <typename scalar_t, typename cache_t, int64_t NV, int64_t G>
-static void decode_kernel_grouped8(const scalar_t* q, const cache_t* kc, const cache_t* vc, const int32_t* bt,
+static void decode_kernel_grouped8(const scalar_t* q, int64_t q_st, const cache_t* kc, const cache_t* vc, const int32_t* bt,
                                    const int32_t* lens, scalar_t* out, int64_t num_decodes, int64_t num_kv_heads,
                                    int64_t block_size, int64_t max_blocks, double scale, bool rows) {
   constexpr int64_t HD = NV * 8;
@@ -915,7 +915,7 @@ static void decode_kernel_grouped8(const scalar_t* q, const cache_t* kc, const c
     for_items_with_next(s, begin, end, bt, lens, max_blocks, block_size, num_kv_heads * HD, HD, per, rows,
                         [&](int64_t n, int64_t kv0, int64_t next_len) {
       const int64_t head = (n * num_kv_heads + kv0) * G * HD;
-      decode_group8<scalar_t, cache_t, NV, G>(q + head, kc, vc, s.off.data(), lens[n], out + head, nkv,
+      decode_group8<scalar_t, cache_t, NV, G>(q + n * q_st + kv0 * G * HD, kc, vc, s.off.data(), lens[n], out + head, nkv,
                                               static_cast<float>(scale), s, s.next.data(), next_len);
     });
   });
@@ -937,7 +937,23 @@ static bool whole_rows(const torch::Tensor& seq_lens, int64_t head_dim) {
 // bf16_dot: a bfloat16 or float8 cache through AVX512-BF16 dot products where the CPU has them.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale, bool bf16_dot) {
-  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query [tokens, heads, head_dim], each token's heads contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  // A query with a token stride of its own (a view of the q/k/v product whose epilogue applied
+  // RoPE, decode_layers.cpp): the grouped kernels read it in place; the others get a copy made
+  // row by row on this thread (a few KiB a token; torch's copy would wake its own thread team
+  // beside ferry's, csrc/pool.h).
+  const int64_t q_st = query.stride(0);
+  auto dense_query = [&]() {
+    if (query.is_contiguous()) return query;
+    torch::Tensor packed = torch::empty(query.sizes(), query.options());
+    const int64_t row = query.size(1) * query.size(2) * query.element_size();
+    const char* src = static_cast<const char*>(query.data_ptr());
+    char* dst = static_cast<char*>(packed.data_ptr());
+    for (int64_t t = 0; t < query.size(0); ++t) std::memcpy(dst + t * row, src + t * q_st * query.element_size(), row);
+    return packed;
+  };
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "contiguous tables");
   // A float8 (e4m3) cache is read with a query in the model's dtype; otherwise both share one.
@@ -947,14 +963,14 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const int64_t num_decodes = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes");
-  auto out = torch::empty_like(query);
+  auto out = torch::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     auto with_cache = [&](auto cache_tag) {
       using cache_t = typename decltype(cache_tag)::type;
       const cache_t* kc = k_cache.data_ptr<cache_t>();
       const cache_t* vc = v_cache.data_ptr<cache_t>();
       auto run = [&](auto kernel) {
-        kernel(query.data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+        kernel(dense_query().data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                out.data_ptr<scalar_t>(), num_decodes, num_heads, num_kv_heads, head_dim, block_size,
                block_table.size(1), scale);
       };
@@ -976,7 +992,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
         if (done || head_dim != NV * 16 || group != G) return;
         done = true;
         auto go = [&](auto kernel) {
-          kernel(query.data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+          kernel(query.data_ptr<scalar_t>(), q_st, kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                  out.data_ptr<scalar_t>(), num_decodes, num_kv_heads, block_size, block_table.size(1), scale, rows);
         };
 #if defined(__AVX512BF16__)
@@ -1001,7 +1017,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
       if (done) return;
       if constexpr (std::is_same_v<scalar_t, cache_t>) {
         auto run_vec = [&](auto kernel) {
-          kernel(query.data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+          kernel(dense_query().data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                  out.data_ptr<scalar_t>(), num_decodes, num_heads, num_kv_heads, block_size, block_table.size(1),
                  scale, rows);
         };
@@ -1020,7 +1036,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
           if (done || head_dim != NV * 8 || group != G) return;
           done = true;
           decode_kernel_grouped8<scalar_t, cache_t, NV, G>(
-              query.data_ptr<scalar_t>(), kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+              query.data_ptr<scalar_t>(), q_st, kc, vc, block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
               out.data_ptr<scalar_t>(), num_decodes, num_kv_heads, block_size, block_table.size(1), scale, rows);
         };
         auto groups = [&](auto nv) {

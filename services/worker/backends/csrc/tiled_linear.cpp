@@ -614,3 +614,71 @@ torch::Tensor amx_silu_linear(torch::Tensor x, torch::Tensor tiles, torch::Tenso
 #endif
   return y;
 }
+
+// As amx_linear, with the rotary embedding applied to the first rope_cols outputs (the query
+// and key heads of a fused q/k/v projection, head_dim each) in the epilogue: out[i] for a
+// head's first half = T(T(x_i cos_i) + T(-x_{i+half} sin_i)), its second half = T(T(x_{i+half}
+// cos_{i+half}) + T(x_i sin_{i+half})), each x the product rounded to bfloat16 first, as
+// amx_linear followed by rotary (fused_ops.cpp) compute it: the same bits, without storing
+// the query and key and reading them back, nor a rotary call (its own parallel region).
+// Within the rope columns a group pairs the 16-output tile of a head's first half with the
+// tile half a head further on (not two neighbouring tiles), so each element's partner is in
+// the same lane of the other sum block. cos/sin: [rows, head_dim] bfloat16, row r token r's.
+torch::Tensor amx_rope_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias, torch::Tensor cos,
+                              torch::Tensor sin, int64_t rope_cols, int64_t head_dim) {
+  const Checked c = check(x, tiles, bias);
+  TORCH_CHECK(amx_linear_ready(), "no AMX here (or tiled_amx(0))");
+  TORCH_CHECK(c.n % 32 == 0 && (2 * c.k2) % 32 == 0, "N and K multiples of 32");
+  TORCH_CHECK(head_dim > 0 && head_dim % 32 == 0 && rope_cols >= 0 && rope_cols % head_dim == 0 && rope_cols <= c.n,
+              "head_dim a multiple of 32; rope_cols whole heads within N");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.numel() == c.m * head_dim && sin.numel() == cos.numel(),
+              "cos/sin: contiguous bfloat16 [rows, head_dim]");
+  auto y = rows_of(x, c.n);
+  if (c.m == 0) return y;
+#if FERRY_AMX
+  const int64_t K = 2 * c.k2, n = c.n, m = c.m, half = head_dim / 2;
+  const int64_t half_tiles = half / 16, rope_groups = rope_cols / 32;
+  const char* tp = reinterpret_cast<const char*>(tiles.data_ptr<int32_t>());
+  const int64_t tile_bytes = c.k2 * 64;
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* cp = cos.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* sp = sin.data_ptr<c10::BFloat16>();
+  const float* bias_p = c.bias;
+  // group g's tile q (its sum block q): a rope group's first-half tile and its partner, else two neighbours
+  auto tile_of = [&](int64_t g, int q) -> int64_t {
+    if (g >= rope_groups) return 2 * g + q;
+    const int64_t head = g / half_tiles, j = g % half_tiles;
+    return head * 2 * half_tiles + j + q * half_tiles;
+  };
+  tiled_amx_ns::run(x.data_ptr<c10::BFloat16>(), m, K, n / 32,
+      [&](int64_t g, int q) { return tp + tile_of(g, q) * tile_bytes; },
+      [&](int64_t g, int64_t r0, float (*s)[256], int64_t lo, int64_t hi) {
+        const int64_t o0 = 16 * tile_of(g, 0), o1 = 16 * tile_of(g, 1);
+        const __m512 b0 = bias_p ? _mm512_loadu_ps(bias_p + o0) : _mm512_setzero_ps();
+        const __m512 b1 = bias_p ? _mm512_loadu_ps(bias_p + o1) : _mm512_setzero_ps();
+        const bool rope = g < rope_groups;
+        const int64_t d = o0 % head_dim;  // a rope group's first-half dimension
+        for (int64_t i = lo; i < std::min(hi, m - r0); ++i) {
+          const int64_t h = i >> 4, r = i & 15, row = r0 + i;
+          const __m512 v0 = _mm512_add_ps(_mm512_load_ps(s[2 * h] + 16 * r), b0);
+          const __m512 v1 = _mm512_add_ps(_mm512_load_ps(s[2 * h + 1] + 16 * r), b1);
+          if (!rope) {
+            store16(yp + row * n + o0, v0);
+            store16(yp + row * n + o1, v1);
+            continue;
+          }
+          const __m512 x0 = round_bf16(v0), x1 = round_bf16(v1);
+          const c10::BFloat16* cr = cp + row * head_dim;
+          const c10::BFloat16* sr = sp + row * head_dim;
+          const __m512 a = round_bf16(_mm512_mul_ps(x0, load16(cr + d)));
+          const __m512 b = round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x1), load16(sr + d)));
+          store16(yp + row * n + o0, _mm512_add_ps(a, b));
+          const __m512 a2 = round_bf16(_mm512_mul_ps(x1, load16(cr + half + d)));
+          const __m512 b2 = round_bf16(_mm512_mul_ps(x0, load16(sr + half + d)));
+          store16(yp + row * n + o1, _mm512_add_ps(a2, b2));
+        }
+      });
+#endif
+  return y;
+}
