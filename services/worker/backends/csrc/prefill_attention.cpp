@@ -160,32 +160,49 @@ struct PrefillScratch {
 };
 
 // The float32 kernels' panels (chunk_panels) laid out once per call, in parallel: every
-// (chunk, KV head)'s keys transposed to [tile][D][BK] and values as [tile][BK][D], zero past
-// the context. widen(src, dst) writes a cache row's D elements to dst as float32 (dst
-// 64-byte aligned: each ISA's own vector loads). Each query tile did this for itself before
-// (a 200-token prompt's keys ~6.5 times over): 0.80x the AVX-512 kernel's time, 0.87-0.93x
-// the AVX2 one's (docs/benchmarks.md).
-template <typename cache_t, int64_t D, int64_t BK, typename Widen>
-[[maybe_unused]] static void float_panels(const Panels& pl, const ContextRows<cache_t>& rows, float* kp, float* vp,
-                                          Widen widen) {
-  constexpr int64_t TILE = D * BK;
-  parallel_for(0, static_cast<int64_t>(pl.tiles.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Panel& pn = pl.panels[pl.tiles[i].first];
-      const int64_t t = pl.tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
-      float* Kt = kp + (pn.off + t) * TILE;
-      float* Vf = vp + (pn.off + t) * TILE;
-      std::fill(Kt, Kt + TILE, 0.f);
-      for (int64_t c = 0; c < kn; ++c) {
-        alignas(64) float tmp[D];
-        widen(rows.key(pn.span, pn.start, pn.kvh, k0 + c), tmp);
-        widen(rows.value(pn.span, pn.start, pn.kvh, k0 + c), Vf + c * D);
-        for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
+// (chunk, KV head)'s keys transposed to [tile][D][BK] at kp and values as [tile][BK][D] at
+// vp, zero past the context. widen(src, dst) writes a cache row's D elements to dst as
+// float32 (dst 64-byte aligned: each ISA's own vector loads). Each query tile did this for
+// itself before (a 200-token prompt's keys ~6.5 times over): 0.80x the AVX-512 kernel's
+// time, 0.87-0.90x the AVX2 one's (docs/benchmarks.md).
+template <typename cache_t, int64_t D, int64_t BK>
+struct FloatPanels {
+  static constexpr int64_t TILE = D * BK;  // floats per key (or value) tile
+  Panels pl;
+  Grown<float> k_tiles, v_tiles;
+  float* kp = nullptr;
+  float* vp = nullptr;
+  template <typename Widen>
+  FloatPanels(const int64_t* spans, int64_t num_spans, int64_t cols, int64_t num_kv_heads,
+              const ContextRows<cache_t>& rows, Widen widen)
+      : pl(chunk_panels(spans, num_spans, cols, num_kv_heads, BK)), kv_heads(num_kv_heads) {
+    kp = k_tiles.get(pl.num_tiles * TILE);
+    vp = v_tiles.get(pl.num_tiles * TILE);
+    parallel_for(0, static_cast<int64_t>(pl.tiles.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const Panel& pn = pl.panels[pl.tiles[i].first];
+        const int64_t t = pl.tiles[i].second, k0 = t * BK, kn = std::min(BK, pn.prefix + pn.len - k0);
+        float* Kt = kp + (pn.off + t) * TILE;
+        float* Vf = vp + (pn.off + t) * TILE;
+        std::fill(Kt, Kt + TILE, 0.f);
+        for (int64_t c = 0; c < kn; ++c) {
+          alignas(64) float tmp[D];
+          widen(rows.key(pn.span, pn.start, pn.kvh, k0 + c), tmp);
+          widen(rows.value(pn.span, pn.start, pn.kvh, k0 + c), Vf + c * D);
+          for (int64_t d = 0; d < D; ++d) Kt[d * BK + c] = tmp[d];
+        }
+        std::fill(Vf + kn * D, Vf + TILE, 0.f);
       }
-      std::fill(Vf + kn * D, Vf + TILE, 0.f);
-    }
-  });
-}
+    });
+  }
+  // The key and value tiles an item's chunk and KV head has for context keys [k0, k0 + BK).
+  const float* keys(const PrefillItem& item, int64_t k0) const { return kp + tile(item, k0) * TILE; }
+  const float* values(const PrefillItem& item, int64_t k0) const { return vp + tile(item, k0) * TILE; }
+
+ private:
+  int64_t kv_heads;
+  int64_t tile(const PrefillItem& item, int64_t k0) const { return pl.panels[item.span * kv_heads + item.kvh].off + k0 / BK; }
+};
 
 #if defined(__AVX512F__)
 #include "vec512.h"
@@ -246,15 +263,11 @@ template <typename scalar_t, typename cache_t, int64_t NV>
 void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                     const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                     float scale) {
-  constexpr int64_t D = NV * 16, TILE = D * BK;  // floats per key (or value) tile
+  constexpr int64_t D = NV * 16;
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
-  const Panels pl = chunk_panels(spans, num_spans, cols, num_kv_heads, BK);
-  Grown<float> k_tiles, v_tiles;
-  float* const kp = k_tiles.get(pl.num_tiles * TILE);
-  float* const vp = v_tiles.get(pl.num_tiles * TILE);
-  float_panels<cache_t, D, BK>(pl, rows, kp, vp, [](const cache_t* src, float* dst) {
+  const FloatPanels<cache_t, D, BK> panels(spans, num_spans, cols, num_kv_heads, rows, [](const cache_t* src, float* dst) {
     for (int64_t vv = 0; vv < NV; ++vv) _mm512_store_ps(dst + vv * 16, load16(src + vv * 16));
   });
   parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) { return item_cost(items[i], BQ); },
@@ -278,14 +291,13 @@ void prefill_kernel(const scalar_t* q, int64_t q_st, int64_t q_sh, const Context
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t kend = item.prefix + item.q0 + nq;  // keys [0, kend): the tile's last token sees them all
-      const int64_t panel = pl.panels[item.span * num_kv_heads + item.kvh].off;
       for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t kn = std::min(BK, kend - k0);
         // the key tile transposed to [D][BK], the value tile as [BK][D] (laid out above): the
         // tile's keys past kn are zeros there, or the context's next keys, which the causal
         // mask below never lets through
-        const float* Kt = kp + (panel + k0 / BK) * TILE;
-        const float* Vf = vp + (panel + k0 / BK) * TILE;
+        const float* Kt = panels.keys(item, k0);
+        const float* Vf = panels.values(item, k0);
         // S = Q K^T: four rows x 32 keys per pass
         for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
           __m512 a[4][2];
@@ -756,21 +768,17 @@ constexpr int64_t BK = 16;  // keys per tile (two vectors of scores)
 // The AVX-512 kernel's scheme (above) in eight-lane vectors, for CPUs without AVX-512: every
 // dtype in float32 FMAs. S = Q K^T four rows x 16 keys per pass (8 accumulators); O += P V
 // two rows x 32 output elements per pass (8 accumulators), the value tile from L1; keys and
-// values laid out once per call (float_panels).
+// values laid out once per call (FloatPanels).
 template <typename scalar_t, typename cache_t, int64_t NV>
 void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows, scalar_t* out,
                      const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                      float scale) {
-  constexpr int64_t D = NV * 8, CH = 4, TILE = D * BK;  // floats per key (or value) tile
+  constexpr int64_t D = NV * 8, CH = 4;
   static_assert(NV % CH == 0, "head size a multiple of 32");
   const int64_t G = num_heads / num_kv_heads;
   const int64_t rows_max = (BQ * G + 3) / 4 * 4;
   const std::vector<PrefillItem> items = prefill_items(spans, num_spans, cols, num_kv_heads, BQ);
-  const Panels pl = chunk_panels(spans, num_spans, cols, num_kv_heads, BK);
-  Grown<float> k_tiles, v_tiles;
-  float* const kp = k_tiles.get(pl.num_tiles * TILE);
-  float* const vp = v_tiles.get(pl.num_tiles * TILE);
-  float_panels<cache_t, D, BK>(pl, rows, kp, vp, [](const cache_t* src, float* dst) {
+  const FloatPanels<cache_t, D, BK> panels(spans, num_spans, cols, num_kv_heads, rows, [](const cache_t* src, float* dst) {
     for (int64_t vv = 0; vv < NV; ++vv) _mm256_store_ps(dst + vv * 8, load8(src + vv * 8));
   });
   parallel_by_cost(static_cast<int64_t>(items.size()), [&](int64_t i) { return item_cost(items[i], BQ); },
@@ -795,13 +803,12 @@ void prefill_kernel8(const scalar_t* q, int64_t q_st, int64_t q_sh, const Contex
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t kend = item.prefix + item.q0 + nq;  // keys [0, kend) of the context
-      const int64_t panel = pl.panels[item.span * num_kv_heads + item.kvh].off;
       for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t kn = std::min(BK, kend - k0);
         // the key tile transposed to [D][BK], the value tile as [BK][D] (laid out above): keys
         // past kn are zeros or the context's next keys, which the causal mask never lets through
-        const float* Kt = kp + (panel + k0 / BK) * TILE;
-        const float* Vf = vp + (panel + k0 / BK) * TILE;
+        const float* Kt = panels.keys(item, k0);
+        const float* Vf = panels.values(item, k0);
         for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
           __m256 a[4][2];
           for (auto& row : a) row[0] = row[1] = _mm256_setzero_ps();
