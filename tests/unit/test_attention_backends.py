@@ -588,3 +588,21 @@ def test_decode_reads_a_query_with_its_own_token_stride(dtype: torch.dtype, head
     with pytest.raises(RuntimeError, match="heads contiguous"):
         kernel.paged_decode(view.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, table, seq_lens,
                             scale, True)
+
+
+def test_decode_takes_a_one_head_query_whatever_its_head_stride() -> None:
+    """A [tokens, 1, head_dim] query is contiguous for torch whatever stride its head
+    dimension carries (a view can give it any); paged_decode takes it as it is, with the bits of
+    a freshly made copy."""
+    kernel = _cpu_kernels()
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(4, 16, 1, 64, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(torch.bfloat16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([20, 31], dtype=torch.int32)
+    dense = torch.randn(2, 1, 64, generator=gen).to(torch.bfloat16)
+    odd = torch.empty_strided((2, 1, 64), (64, 7, 1), dtype=torch.bfloat16)
+    odd.copy_(dense)
+    assert odd.is_contiguous() and odd.stride(1) == 7
+    got = kernel.paged_decode(odd, k_cache, v_cache, table, lens, 0.125, True)
+    assert torch.equal(got, kernel.paged_decode(dense, k_cache, v_cache, table, lens, 0.125, True))
