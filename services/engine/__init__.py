@@ -5,3 +5,14 @@ imports the scheduler; whatever puts the two together lives here: the offline
 engine (``offline.LLM``, scheduler and model runner in one process), its
 benchmarks, and an engine's registration in Redis for the gateways' router.
 """
+
+import os as _os
+
+from services.worker.service import default_openmp_wait_policy as _default_openmp_wait_policy
+
+# The offline engine's OpenMP threads wait as a served worker's do (GOMP_SPINCOUNT=10000 unless
+# the operator chose a policy): libgomp reads it when torch loads, and every way into the
+# engine (offline.LLM, the benchmarks run with -m) passes through this package first. With
+# libgomp's default spin the common load ran ~4 % slower offline on a 2-core Xeon
+# (docs/benchmarks.md, "OpenMP waits"); where torch was loaded before, it changes nothing.
+_default_openmp_wait_policy(_os.environ)

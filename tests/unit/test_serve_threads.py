@@ -56,3 +56,22 @@ def test_a_worker_started_any_other_way_gets_the_same_default() -> None:
         env = dict(chosen)
         default_openmp_wait_policy(env)
         assert env == chosen
+
+
+@pytest.mark.parametrize("chosen", [{}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "5000"}])
+def test_the_offline_engine_gets_it_before_torch_loads(chosen: dict[str, str]) -> None:
+    """Importing the engine package (offline.LLM, its benchmarks) sets the served worker's
+    default before anything loads torch (libgomp reads it then); an operator's choice stays."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | chosen
+    code = ("import json, os, sys; import services.engine; "
+            "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
+            "'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    policy, spin, torch_loaded = json.loads(out.stdout)
+    assert not torch_loaded  # set before torch: the package itself loads none of it
+    assert (policy, spin) == ((chosen.get("OMP_WAIT_POLICY"), chosen.get("GOMP_SPINCOUNT")) if chosen else (None, "10000"))
