@@ -1,5 +1,7 @@
 """``--quantization int8``: the decoder's linear layers as int8 weights x int8 activations
-(W8A8), through PyTorch's own int8 matmul (``torch._int_mm``; oneDNN's VNNI kernels on x86).
+(W8A8), through PyTorch's own int8 products: oneDNN's prepacked int8 linear
+(``torch.ops.onednn.qlinear_pointwise``, what PyTorch's x86 int8 quantization lowers to;
+AMX-INT8 or VNNI kernels) where this torch has it, else ``torch._int_mm``.
 
 - Weights: quantized once at load, symmetric, one scale per output channel (row).
 - Activations: quantized at every call, symmetric, one scale per token (row), so a
@@ -12,7 +14,10 @@
   LM head is left unquantized: on SmolLM2 it adds as much perplexity as the whole body.
 
 Speed: int8 products run at about twice the bfloat16 rate on a CPU with AVX512-VNNI
-(~860 against ~430 GOP/s on this model's shapes on 2 cores), and read half the bytes.
+(~860 against ~430 GOP/s on this model's shapes on 2 cores), and read half the bytes. On
+a Xeon with AMX, oneDNN's prepacked kernel ran them 1.5-3x faster than ``torch._int_mm`` at
+512-2,048 rows (3.5-4.9 TOPS on 2 cores) and took the common load from 692 to ~860 output
+tok/s; ferry's bfloat16 AMX path is still faster there (docs/benchmarks.md).
 Quantizing each step's activations and scaling the int32 results back are two passes
 over memory; the CPU kernels' ``quant_rows``/``dequant_rows`` do each in one pass
 (bit-identical to the PyTorch ops below, which are the fallback without a compiler).
@@ -87,12 +92,28 @@ class Int8Linear(nn.Module):
             weight = weight * s
             inv_smooth = (1 / s).contiguous()
         qweight, scale = quantize_weight(weight, int8_weight_max())
-        self.register_buffer("qweight", qweight)  # [out, in]: torch._int_mm reads its transpose fastest
+        # oneDNN's prepacked int8 product where this torch has it (onednn_int8()): the buffer is
+        # then oneDNN's own layout of the same bytes (an opaque tensor), and its results are the
+        # same integers as torch._int_mm's, as float32. Else [out, in]: torch._int_mm reads its
+        # transpose fastest.
+        self._onednn = onednn_int8()
+        self.register_buffer("qweight", torch.ops.onednn.qlinear_prepack(qweight, None) if self._onednn else qweight)
+        if self._onednn:
+            self._ones = torch.ones(self.out_features)
+            self._zeros = torch.zeros(self.out_features, dtype=torch.int32)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("inv_smooth", inv_smooth)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
         self._kernels = kernels
+
+    def _products(self, q: torch.Tensor) -> torch.Tensor:
+        """int8 [rows, in] -> the exact integer products [rows, out]: int32 from torch._int_mm,
+        or float32 (exact: every sum is below 2^24) from oneDNN's prepacked kernel."""
+        if self._onednn:
+            return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, self.qweight, self._ones, self._zeros, None, 1.0, 0,
+                                                      torch.float32, "none", [], "")
+        return torch._int_mm(q, self.qweight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -101,11 +122,10 @@ class Int8Linear(nn.Module):
         ops = self._kernels
         if ops is not None and x.dtype in (torch.bfloat16, torch.float32):
             q, sx = ops.quant_rows(rows, self.inv_smooth)
-            y = ops.dequant_rows(torch._int_mm(q, self.qweight.t()), sx, self.weight_scale, self.bias,
-                                 x.dtype is torch.bfloat16)
+            y = ops.dequant_rows(self._products(q), sx, self.weight_scale, self.bias, x.dtype is torch.bfloat16)
         else:
             q, sx = quant_rows_torch(rows, self.inv_smooth)
-            y = dequant_rows_torch(torch._int_mm(q, self.qweight.t()), sx, self.weight_scale, self.bias, x.dtype)
+            y = dequant_rows_torch(self._products(q), sx, self.weight_scale, self.bias, x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -122,6 +142,46 @@ def _int_mm_exact(wmax: int) -> bool:
     b[:, 0], b[:, 1] = wmax, -wmax
     want = (a.double() @ b.double()).to(torch.int32)  # exact: every sum is far below 2^53
     return torch.equal(torch._int_mm(a, b), want)
+
+
+def _onednn_exact(wmax: int) -> bool:
+    """Does oneDNN's prepacked int8 product (``torch.ops.onednn.qlinear_pointwise``, unit
+    scales, float32 out) give the exact products of full-range activations and weights in
+    [-wmax, wmax], as ``_int_mm_exact`` asks of torch._int_mm?"""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (40, 576), generator=gen, dtype=torch.int8)
+    a[0], a[1] = 127, -127
+    w = torch.randint(-wmax, wmax + 1, (64, 576), generator=gen, dtype=torch.int8)
+    w[0], w[1] = wmax, -wmax
+    want = (a.double() @ w.double().t()).float()
+    got = torch.ops.onednn.qlinear_pointwise(a, 1.0, 0, torch.ops.onednn.qlinear_prepack(w, None), torch.ones(64),
+                                             torch.zeros(64, dtype=torch.int32), None, 1.0, 0, torch.float32, "none",
+                                             [], "")
+    return torch.equal(got, want)
+
+
+@cache
+def onednn_int8() -> bool:
+    """Whether the int8 products go to oneDNN's prepacked kernel (PyTorch's own x86 int8
+    linear, the one its inductor quantization lowers to) rather than torch._int_mm: on a CPU
+    with AMX-INT8 that oneDNN may use, where this torch has the op and it is exact, unless
+    ``FERRY_CPU_INT8_ONEDNN=0``. There it ran the model's shapes 1.5-3x faster than
+    torch._int_mm at 512-2,048 rows and the gate/up product 1.8x at 64; without AMX
+    (``ONEDNN_MAX_CPU_ISA=AVX2``) it was 2-3x slower at 64 rows, and under AVX512_CORE_VNNI
+    one call took half a second (docs/benchmarks.md, "int8 on oneDNN's prepacked kernel")."""
+    if os.environ.get("FERRY_CPU_INT8_ONEDNN", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    from .backends.cpu_paged import cpu_flag
+
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if not cpu_flag("amx_int8") or (isa and isa not in ("ALL", "DEFAULT") and "AMX" not in isa):
+        return False
+    wmax = int8_weight_max()
+    try:
+        return wmax > 0 and _onednn_exact(wmax)
+    except (RuntimeError, AttributeError) as exc:
+        log.info("int8: oneDNN's prepacked int8 linear unavailable (%s); torch._int_mm instead", exc)
+        return False
 
 
 @cache

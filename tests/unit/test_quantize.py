@@ -135,6 +135,8 @@ def test_kernels_equal_the_pytorch_ops_bit_for_bit(dtype: torch.dtype, rows: int
         got = ops.dequant_rows(acc, s1, col, bias, dtype is torch.bfloat16)
         want = dequant_rows_torch(acc, s1, col, bias, dtype)
         assert got.dtype == dtype and torch.equal(got, want)
+        # oneDNN's products arrive as float32 holding the same integers: the same result
+        assert torch.equal(ops.dequant_rows(acc.float(), s1, col, bias, dtype is torch.bfloat16), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -151,6 +153,30 @@ def test_int8_linear_is_close_to_the_float_product(dtype: torch.dtype, bias: boo
     # non-contiguous input rows (a transposed view) give the same result as contiguous ones
     xt = x.transpose(0, 1).contiguous().transpose(0, 1)
     assert torch.equal(Int8Linear(linear)(xt), Int8Linear(linear)(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (37, 576, 960), (130, 1536, 576), (5, 40, 24)])
+def test_onednn_products_equal_int_mm_bit_for_bit(dtype: torch.dtype, rows: int, k: int, n: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN's prepacked int8 linear runs the products, a layer gives exactly what
+    torch._int_mm gives (the same integers, as float32), with the kernels and without."""
+    from services.worker import quantize
+
+    if not quantize.onednn_int8():
+        pytest.skip("oneDNN's prepacked int8 linear is not used in this torch / on this CPU")
+    torch.manual_seed(11)
+    linear = nn.Linear(k, n, bias=True).to(dtype)
+    x = (torch.randn(rows, k, generator=_gen(12)) * 4).to(dtype)
+    absmax = x.float().abs().amax(dim=0)
+    on = [Int8Linear(linear, kernels, absmax) for kernels in (None, int8_kernels())]
+    assert all(m._onednn and m.qweight.is_mkldnn for m in on)
+    monkeypatch.setattr(quantize, "onednn_int8", lambda: False)
+    off = [Int8Linear(linear, kernels, absmax) for kernels in (None, int8_kernels())]
+    assert not any(m._onednn for m in off)
+    for a, b in zip(on, off, strict=True):
+        got, want = a(x), b(x)
+        assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_smoothquant_rescues_a_token_dominated_by_one_channel() -> None:

@@ -72,15 +72,19 @@ void quant_row(const T* x, const float* inv_smooth, int8_t* q, float* s, int64_t
 }
 
 // No fused multiply-add here: PyTorch's fallback rounds the product before adding the bias.
-template <typename T>
+// acc: int32, or float32 holding the same integers exactly (oneDNN's products, |acc| < 2^24).
+template <typename T, typename A>
 __attribute__((optimize("fp-contract=off")))
-void dequant_row(const int32_t* acc, float sx, const float* sw, const float* bias, T* out, int64_t n) {
+void dequant_row(const A* acc, float sx, const float* sw, const float* bias, T* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     const __m512 a = _mm512_set1_ps(sx);
     for (; i + 16 <= n; i += 16) {
-      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + i)), a), _mm512_loadu_ps(sw + i));
+      __m512 f;
+      if constexpr (std::is_same_v<A, float>) f = _mm512_loadu_ps(acc + i);
+      else f = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + i));
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(f, a), _mm512_loadu_ps(sw + i));
       if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + i));
       if constexpr (std::is_same_v<T, float>) {
         _mm512_storeu_ps(out + i, v);
@@ -124,11 +128,12 @@ std::vector<torch::Tensor> quant_rows(torch::Tensor x, c10::optional<torch::Tens
   return {q, s};
 }
 
-// acc: [rows, n] int32; row_scale [rows], col_scale [n], bias [n] or None: float32 -> bfloat16 or float32.
+// acc: [rows, n] int32 (or float32 holding integers exactly); row_scale [rows], col_scale [n], bias [n] or None: float32 -> bfloat16 or float32.
 torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor row_scale, torch::Tensor col_scale,
                            c10::optional<torch::Tensor> bias, bool out_bf16) {
   const auto out_dtype = out_bf16 ? at::kBFloat16 : at::kFloat;
-  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, "dequant_rows: contiguous int32 [rows, n]");
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && (acc.scalar_type() == at::kInt || acc.scalar_type() == at::kFloat),
+              "dequant_rows: contiguous int32 or float32 [rows, n]");
   const int64_t rows = acc.size(0), n = acc.size(1);
   TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() && row_scale.numel() == rows, "row scales");
   TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() && col_scale.numel() == n, "column scales");
@@ -138,13 +143,18 @@ torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor row_scale, torch::Te
     bp = bias->data_ptr<float>();
   }
   auto out = torch::empty({rows, n}, acc.options().dtype(out_dtype));
-  const int32_t* ap = acc.data_ptr<int32_t>();
+  const bool int_acc = acc.scalar_type() == at::kInt;
+  const int32_t* ap = int_acc ? acc.data_ptr<int32_t>() : nullptr;
+  const float* fp = int_acc ? nullptr : acc.data_ptr<float>();
   const float* rs = row_scale.data_ptr<float>();
   const float* cs = col_scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "dequant_rows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) dequant_row<scalar_t>(ap + r * n, rs[r], cs, bp, op + r * n, n);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (int_acc) dequant_row<scalar_t>(ap + r * n, rs[r], cs, bp, op + r * n, n);
+        else dequant_row<scalar_t>(fp + r * n, rs[r], cs, bp, op + r * n, n);
+      }
     });
   });
   return out;
