@@ -275,17 +275,20 @@ def part_int8() -> list[dict[str, Any]]:
         scale = w.float().abs().amax(1) / 127
         wq = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         pw, sc = pack(w, 64), scale.to(BF16)
-        w8a8 = Int8Linear(linear, kernels, torch.ones(inp))
-        for m in (1, 64, 2048):
+        w8a8 = Int8Linear(linear, kernels, torch.ones(inp))  # oneDNN's prepacked products where onednn_int8()
+        w8a8_mm = Int8Linear(linear, kernels, torch.ones(inp), onednn=False)  # torch._int_mm's
+        for m in (1, 64, 512, 2048):
             x = torch.randn(m, inp).to(BF16)
-            n = 3 if m == 2048 else 50
+            n = 3 if m == 2048 else 10 if m == 512 else 50
             bf = best_ms(lambda: lp(x, pw, None, "none", [], ""), n)
             i8 = best_ms(lambda: torch._weight_int8pack_mm(x, wq, sc), n)
             a8 = best_ms(lambda: w8a8(x), n)
+            a8mm = best_ms(lambda: w8a8_mm(x), n)
             rows.append({"part": "int8", "shape": [out, inp], "m": m, "bf16_packed_ms": bf, "int8_weight_only_ms": i8,
-                         "w8a8_ms": a8})
+                         "w8a8_ms": a8, "w8a8_int_mm_ms": a8mm, "w8a8_onednn": w8a8._onednn})
             print(f"int8 [{out}x{inp}] M={m}: bf16 packed {bf:.3f} ms, int8 weight-only {i8:.3f} ms, "
-                  f"W8A8 (--quantization int8) {a8:.3f} ms ({bf / a8:.2f}x packed bf16)", flush=True)
+                  f"W8A8 (--quantization int8{', oneDNN prepacked' if w8a8._onednn else ''}) {a8:.3f} ms "
+                  f"({bf / a8:.2f}x packed bf16), W8A8 on torch._int_mm {a8mm:.3f} ms", flush=True)
     return rows
 
 

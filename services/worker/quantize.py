@@ -81,7 +81,8 @@ class Int8Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, kernels: Any | None = None, input_absmax: torch.Tensor | None = None,
-                 alpha: float = SMOOTH_ALPHA) -> None:
+                 alpha: float = SMOOTH_ALPHA, onednn: bool | None = None) -> None:
+        """``onednn``: the products on oneDNN's prepacked kernel (None: where ``onednn_int8()``)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
@@ -96,7 +97,7 @@ class Int8Linear(nn.Module):
         # then oneDNN's own layout of the same bytes (an opaque tensor), and its results are the
         # same integers as torch._int_mm's, as float32. Else [out, in]: torch._int_mm reads its
         # transpose fastest.
-        self._onednn = onednn_int8()
+        self._onednn = onednn_int8() if onednn is None else onednn
         self.register_buffer("qweight", torch.ops.onednn.qlinear_prepack(qweight, None) if self._onednn else qweight)
         if self._onednn:
             self._ones = torch.ones(self.out_features)

@@ -157,8 +157,7 @@ def test_int8_linear_is_close_to_the_float_product(dtype: torch.dtype, bias: boo
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (37, 576, 960), (130, 1536, 576), (5, 40, 24)])
-def test_onednn_products_equal_int_mm_bit_for_bit(dtype: torch.dtype, rows: int, k: int, n: int,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_onednn_products_equal_int_mm_bit_for_bit(dtype: torch.dtype, rows: int, k: int, n: int) -> None:
     """Where oneDNN's prepacked int8 linear runs the products, a layer gives exactly what
     torch._int_mm gives (the same integers, as float32), with the kernels and without."""
     from services.worker import quantize
@@ -171,9 +170,8 @@ def test_onednn_products_equal_int_mm_bit_for_bit(dtype: torch.dtype, rows: int,
     absmax = x.float().abs().amax(dim=0)
     on = [Int8Linear(linear, kernels, absmax) for kernels in (None, int8_kernels())]
     assert all(m._onednn and m.qweight.is_mkldnn for m in on)
-    monkeypatch.setattr(quantize, "onednn_int8", lambda: False)
-    off = [Int8Linear(linear, kernels, absmax) for kernels in (None, int8_kernels())]
-    assert not any(m._onednn for m in off)
+    off = [Int8Linear(linear, kernels, absmax, onednn=False) for kernels in (None, int8_kernels())]
+    assert not any(m._onednn or m.qweight.is_mkldnn for m in off)
     for a, b in zip(on, off, strict=True):
         got, want = a(x), b(x)
         assert got.dtype == dtype and torch.equal(got, want)
