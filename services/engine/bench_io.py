@@ -11,11 +11,19 @@ from pathlib import Path
 from typing import Any
 
 
+def openmp_policy() -> dict[str, str | None]:
+    """How this process's OpenMP threads wait (read by libgomp when torch loaded; services.engine
+    sets the served worker's default): a figure measured under another policy is not comparable."""
+    return {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+
 def header(module: str, argv: list[str] | None) -> dict[str, Any]:
-    """The command as run, the machine (CPUs, platform, load average) and the date (UTC)."""
+    """The command as run, the machine (CPUs, platform, load average, OpenMP wait policy) and
+    the date (UTC)."""
     return {
         "command": " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg(),
+                    "openmp": openmp_policy()},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from services.engine.bench_io import openmp_policy
 from services.engine.offline import LLM, GenerationParams
 from services.worker.lean_forward import DECODE_LAYER_PARTS
 from services.worker.runner import set_num_threads
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m services.engine.bench_offline " + " ".join(argv),
         "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(),
-                    "torch": torch.__version__, "loadavg": os.getloadavg()},
+                    "torch": torch.__version__, "loadavg": os.getloadavg(), "openmp": openmp_policy()},
         "workload": {k: v for k, v in vars(args).items() if k != "out"},
         "num_prompt_tokens": work.num_prompt_tokens, "num_output_tokens": work.num_output_tokens,
         "runs": [asdict(r) for r in runs], "ratios": ratios, "gemm_limit": limit,

@@ -15,6 +15,13 @@ def test_header_names_the_command_machine_and_date() -> None:
     assert h["date"].endswith(" UTC") and h["date"][:2] == "20"
 
 
+def test_header_records_the_openmp_wait_policy(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    assert header("services.engine.bench_x", [])["machine"]["openmp"] == {"OMP_WAIT_POLICY": None,
+                                                                           "GOMP_SPINCOUNT": "123"}
+
+
 def test_write_json_makes_the_folder_and_skips_without_a_path(tmp_path: Path,
                                                               capsys) -> None:  # type: ignore[no-untyped-def]
     write_json(None, {"a": 1})
