@@ -567,7 +567,8 @@ def test_decode_reads_a_query_with_its_own_token_stride(dtype: torch.dtype, head
     """A query that is a view of a wider q/k/v product (each token's heads contiguous, tokens
     that product's row apart: decode_layers' query when RoPE was the product's epilogue) gives
     the bits of the same query made contiguous, on the grouped kernels (read in place) and the
-    others (copied first); a query whose heads are not contiguous is refused by name."""
+    others (copied first); a query whose heads are not contiguous is copied whole first, the
+    same bits again."""
     kernel = _cpu_kernels()
     gen = torch.Generator().manual_seed(heads * head_dim)
     lens, block_size = [5, 40, 17, 33, 64, 1, 29, 50, 8], 16
@@ -585,9 +586,11 @@ def test_decode_reads_a_query_with_its_own_token_stride(dtype: torch.dtype, head
     want = kernel.paged_decode(view.contiguous(), k_cache, v_cache, table, seq_lens, scale, True)
     assert got.is_contiguous() and torch.equal(got, want)
     assert float(want.float().abs().sum()) > 0
-    with pytest.raises(RuntimeError, match="heads contiguous"):
-        kernel.paged_decode(view.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, table, seq_lens,
-                            scale, True)
+    heads_apart = view.transpose(0, 1).contiguous().transpose(0, 1)  # tokens adjacent, heads far apart
+    assert heads_apart.stride(1) != head_dim
+    assert torch.equal(kernel.paged_decode(heads_apart, k_cache, v_cache, table, seq_lens, scale, True), want)
+    with pytest.raises(RuntimeError, match="query"):
+        kernel.paged_decode(view[0], k_cache, v_cache, table, seq_lens, scale, True)
 
 
 def test_decode_takes_a_one_head_query_whatever_its_head_stride() -> None:

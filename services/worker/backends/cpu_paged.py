@@ -220,11 +220,9 @@ class CpuPagedBackend(ReferenceBackend):
         self.kernel.write_kv(key if fp8 else key.to(k_cache.dtype), value if fp8 else value.to(v_cache.dtype),
                              k_cache, v_cache, metadata.chunks.slot_mapping)
         nd = metadata.num_decodes
-        # a float8 cache is read with the query in the model's dtype; paged_decode copies a
-        # query with a token stride of its own (a view of the q/k/v product) itself
+        # a float8 cache is read with the query in the model's dtype; paged_decode takes a
+        # strided query (a view of the q/k/v product) as it is, copying only where it must
         q = query[:nd] if fp8 else query[:nd].to(k_cache.dtype)
-        if not q.is_contiguous() and (q.stride(2) != 1 or (q.stride(1) != q.shape[2] and q.shape[1] != 1)):
-            q = q.contiguous()
         decoded = self.kernel.paged_decode(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, scale,
                                            self.decode_dot(k_cache.dtype))
         if nd == query.shape[0]:

@@ -937,10 +937,12 @@ static bool whole_rows(const torch::Tensor& seq_lens, int64_t head_dim) {
 // bf16_dot: a bfloat16 or float8 cache through AVX512-BF16 dot products where the CPU has them.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale, bool bf16_dot) {
-  // (a dimension of size 1 may carry any stride, as torch's own contiguity ignores it)
-  TORCH_CHECK(query.dim() == 3 && (query.stride(2) == 1 || query.size(2) == 1) &&
-              (query.stride(1) == query.size(2) || query.size(1) == 1),
-              "query [tokens, heads, head_dim], each token's heads contiguous");
+  TORCH_CHECK(query.dim() == 3, "query [tokens, heads, head_dim]");
+  // Each token's heads must be contiguous (a dimension of size 1 may carry any stride, as torch's
+  // own contiguity ignores it); a query laid out otherwise is copied whole here, the one place
+  // that decides which layouts are read as they are.
+  if ((query.stride(2) != 1 && query.size(2) != 1) || (query.stride(1) != query.size(2) && query.size(1) != 1))
+    query = query.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   // A query with a token stride of its own (a view of the q/k/v product whose epilogue applied
   // RoPE, decode_layers.cpp): the grouped kernels read it in place; the others get a copy made
