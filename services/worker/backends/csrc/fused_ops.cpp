@@ -123,6 +123,21 @@ static inline void silu_row(const T* g, const T* u, T* out, int64_t d) {
   }
 }
 
+// Sixteen lanes of one head's rotation: lo = x[i], hi = x[i + half] (values as stored in T),
+// c/s the token's cos/sin rows; out_lo[0..16) = T(T(lo * cos[i]) + T(-hi * sin[i])) and
+// out_hi[0..16) = T(T(hi * cos[i + half]) + T(lo * sin[i + half])). rope_token and the AMX q/k/v
+// product's epilogue (tiled_linear.cpp, amx_rope_linear) both rotate here: the same bits.
+template <typename T>
+static inline void rope16(__m512 lo, __m512 hi, const T* c, const T* s, int64_t i, int64_t half, T* out_lo,
+                          T* out_hi) {
+  const __m512 a = as_stored<T>(_mm512_mul_ps(lo, load16(c + i)));
+  const __m512 b = as_stored<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load16(s + i)));
+  store16(out_lo, _mm512_add_ps(a, b));
+  const __m512 a2 = as_stored<T>(_mm512_mul_ps(hi, load16(c + half + i)));
+  const __m512 b2 = as_stored<T>(_mm512_mul_ps(lo, load16(s + half + i)));
+  store16(out_hi, _mm512_add_ps(a2, b2));
+}
+
 // One token's heads: out = T(T(x * cos) + T(rotate_half(x) * sin)), as transformers'
 // apply_rotary_pos_emb computes it in dtype T.
 template <typename T>
@@ -131,16 +146,8 @@ static inline void rope_token(const T* x, int64_t sh, const T* c, const T* s, T*
   for (int64_t h = 0; h < heads; ++h) {
     const T* xr = x + h * sh;
     T* orow = out + h * dim;
-    for (int64_t i = 0; i < half; i += 16) {
-      const __m512 lo = load16(xr + i), hi = load16(xr + half + i);
-      // first half: x*cos + (-x_hi)*sin; second half: x*cos + x_lo*sin
-      const __m512 a = as_stored<T>(_mm512_mul_ps(lo, load16(c + i)));
-      const __m512 b = as_stored<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load16(s + i)));
-      store16(orow + i, _mm512_add_ps(a, b));
-      const __m512 a2 = as_stored<T>(_mm512_mul_ps(hi, load16(c + half + i)));
-      const __m512 b2 = as_stored<T>(_mm512_mul_ps(lo, load16(s + half + i)));
-      store16(orow + half + i, _mm512_add_ps(a2, b2));
-    }
+    for (int64_t i = 0; i < half; i += 16)
+      rope16<T>(load16(xr + i), load16(xr + half + i), c, s, i, half, orow + i, orow + half + i);
   }
 }
 

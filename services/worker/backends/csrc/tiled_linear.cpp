@@ -668,15 +668,9 @@ torch::Tensor amx_rope_linear(torch::Tensor x, torch::Tensor tiles, torch::Tenso
             store16(yp + row * n + o1, v1);
             continue;
           }
-          const __m512 x0 = round_bf16(v0), x1 = round_bf16(v1);
-          const c10::BFloat16* cr = cp + row * head_dim;
-          const c10::BFloat16* sr = sp + row * head_dim;
-          const __m512 a = round_bf16(_mm512_mul_ps(x0, load16(cr + d)));
-          const __m512 b = round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x1), load16(sr + d)));
-          store16(yp + row * n + o0, _mm512_add_ps(a, b));
-          const __m512 a2 = round_bf16(_mm512_mul_ps(x1, load16(cr + half + d)));
-          const __m512 b2 = round_bf16(_mm512_mul_ps(x0, load16(sr + half + d)));
-          store16(yp + row * n + o1, _mm512_add_ps(a2, b2));
+          // the product as stored in bfloat16, then rotary's arithmetic (fused_ops.cpp, rope16)
+          rope16<c10::BFloat16>(round_bf16(v0), round_bf16(v1), cp + row * head_dim, sp + row * head_dim, d, half,
+                                yp + row * n + o0, yp + row * n + o1);
         }
       });
 #endif
