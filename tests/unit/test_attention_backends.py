@@ -296,6 +296,58 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: b
     torch.testing.assert_close(out[2:].float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefill_kernel_takes_scores_far_past_a_rows_first_keys(amx: bool, head_dim: int, paged: bool) -> None:
+    """The bfloat16 prompt kernel's softmax keeps a reference per row (the max of its first 32
+    keys) rather than each span's max, and does a row again against its true max when a score
+    passes the reference by more than 2^64 (its headroom). Keys whose scores pass the first
+    keys' by ~144 in log2 units (2^144 overflows float32 unless the row is done again), one in
+    the first 512-key span and one past that in the second, and one far below: every query row
+    after them attends to them alone, the rows before are as they were; against float64
+    attention, fresh and over a cached prefix."""
+    kernel = _cpu_kernels(prompts=True)
+    num_heads, kv_heads, n = 9, 3, 700
+    gen = torch.Generator().manual_seed(head_dim)
+    u = torch.ones(head_dim)
+    q = (u + 0.1 * torch.randn(n, num_heads, head_dim, generator=gen)).to(torch.bfloat16)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen)
+    # a key's score is ~s (in the softmax's natural units) where it is s u / sqrt(head_dim)
+    k[100] = 100 * u * head_dim**-0.5  # ~144 log2 units past the first keys': 2^144 overflows unless done again
+    k[600] = 200 * u * head_dim**-0.5  # ~144 past that, in the second span
+    k[300] = -100 * u * head_dim**-0.5  # far below: a probability of zero
+    k = k.to(torch.bfloat16)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    out = torch.full((n, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with _prefill_amx(kernel, amx):
+            if not paged:
+                kernel.prefill_attention(q, k, v, out, torch.tensor([[0, n]], dtype=torch.int64), scale, True)
+            else:  # a 40-token cached prefix, the rest a chunk over it
+                block_size, prefix = 16, 40
+                blocks = -(-n // block_size)
+                perm = torch.randperm(blocks + 2, generator=gen)[:blocks].to(torch.int32)
+                k_cache = torch.zeros(blocks + 2, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+                v_cache = torch.zeros_like(k_cache)
+                slots = (perm.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+                k_cache.view(-1, kv_heads, head_dim)[slots] = k
+                v_cache.view(-1, kv_heads, head_dim)[slots] = v
+                kernel.prefill_attention_paged(q, out, k_cache, v_cache, torch.tensor([[prefix, n, prefix]]),
+                                               perm[None].contiguous(), scale, True)
+    finally:
+        torch.set_num_threads(threads)
+    first = 40 if paged else 0
+    expected = _dense([(n - first, n)], q[first:].float(), [(k.float(), v.float())], scale)
+    torch.testing.assert_close(out[first:].float(), expected, rtol=2e-2, atol=2e-2)
+    # the rows past each far key return its value (the softmax's weight on it ~1)
+    torch.testing.assert_close(out[650].float(), v[600].float().repeat_interleave(3, dim=0), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[200].float(), v[100].float().repeat_interleave(3, dim=0), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_write_kv_kernel_stores_rows_like_index_copy(dtype: torch.dtype) -> None:
     """cpu_paged's write_kv: keys/values as strided views of one projection (and values with

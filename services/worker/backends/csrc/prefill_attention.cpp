@@ -494,7 +494,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
     std::vector<int64_t> vis(rows_max);
     std::vector<const uint32_t*> qrow(rows_max);
     alignas(64) static const uint32_t zero_row[64] = {};  // DP <= 64
-    const __m512 sv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
     // AMX: the item's query rows side by side (an A tile's rows are one stride apart)
     uint32_t* const Qt = AMX ? scratch.q.get(rows_max * DP) : nullptr;
 #if FERRY_PREFILL_AMX
@@ -537,14 +537,14 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
         const int64_t kspan = std::min(SPAN, kend - K0);
         // row r's visible keys in this span: [0, lim(r))
         const auto lim = [&](int64_t r) { return std::clamp<int64_t>(vis[r] - K0, 0, kspan); };
-        // S = scale * Q K^T, QR rows at a time (2 QR accumulators), up to the last key any of
-        // them sees: 32 keys a pass, 16 for a last half tile
+        // S = Q K^T (unscaled: the softmax below scales it as it loads it), QR rows at a time
+        // (2 QR accumulators), up to the last key any of them sees: 32 keys a pass, 16 for a
+        // last half tile
 #if FERRY_PREFILL_AMX
         if constexpr (AMX) {
           // sixteen rows (one A tile per 32 dimensions) against 32 keys a pass: two C tiles,
-          // a key tile's laid-out pairs of dimensions being B tiles as they are; S holds the
-          // unscaled products (the softmax below scales them as it loads them: a pass of its
-          // own here read each tile store straight back, ~9 % of the kernel's time)
+          // a key tile's laid-out pairs of dimensions being B tiles as they are (a scaling pass
+          // of its own here read each tile store straight back, ~9 % of the kernel's time)
           for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
             const int64_t qend = lim(std::min(r0 + 15, R - 1));
             const uint32_t* qa = Qt + r0 * DP;
@@ -600,8 +600,8 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
                 }
               }
               for (int64_t rr = 0; rr < QR; ++rr) {
-                _mm512_storeu_ps(s + rr * SPAN, _mm512_mul_ps(a[rr][0], sv));
-                _mm512_storeu_ps(s + rr * SPAN + 16, _mm512_mul_ps(a[rr][1], sv));
+                _mm512_storeu_ps(s + rr * SPAN, a[rr][0]);
+                _mm512_storeu_ps(s + rr * SPAN + 16, a[rr][1]);
               }
             } else {
               __m512 a[QR];
@@ -611,44 +611,64 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
                 for (int64_t rr = 0; rr < QR; ++rr)
                   a[rr] = _mm512_dpbf16_ps(a[rr], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][p])), k0v);
               }
-              for (int64_t rr = 0; rr < QR; ++rr) _mm512_storeu_ps(s + rr * SPAN, _mm512_mul_ps(a[rr], sv));
+              for (int64_t rr = 0; rr < QR; ++rr) _mm512_storeu_ps(s + rr * SPAN, a[rr]);
             }
           }
         }
-        // softmax row by row over the keys it sees (one max for the whole span: no rescale within
-        // it), P as bfloat16 pairs of keys, zero past them up to what its P.V pass reads
+        // softmax row by row over the keys it sees, P as bfloat16 pairs of keys, zero past them
+        // up to what its P.V pass reads. Each probability is 2^(s c - ref c), c the scale times
+        // log2(e) (S is unscaled; scale > 0): one FMA into exp2_16's base-2 units, a polynomial
+        // of degree 4 since P is rounded to bfloat16 next. ref need not be the max: P, the sum
+        // l and O all hold float32's (and bfloat16's) exponent range, so a row keeps the
+        // reference it has (its first span: the max of its first 32 keys) as long as no score
+        // passes it by more than 2^64 (a row past that is done again against its true max),
+        // and a span needs no pass over its scores for their max nor O a rescale. The softmax
+        // was half of this kernel's time on 2,000-token prompts, its max pass a fifth of that
+        // (perf; docs/benchmarks.md, "Long prompts").
+        const float c = scale * 1.4426950408889634f;
+        const __m512 cv = _mm512_set1_ps(c);
+        constexpr float HEADROOM = 64.f;  // log2 units past the reference before a row is redone
         for (int64_t r = 0; r < R; ++r) {
           const int64_t n = lim(r), fill = (lim(std::min(r - r % PR + PR - 1, R - 1)) + BK - 1) / BK * BK;
           const float* sr = S + r * SPAN;
           uint32_t* pr = P + r * (SPAN / 2);
-          // the scores the lanes in `mask` hold (zero past them): the AMX products left S
-          // unscaled, so times the scale here, rounded as a pass of its own would round them
-          const auto scores = [&](__mmask16 mask, const float* p) {
-            const __m512 x = _mm512_maskz_loadu_ps(mask, p);
-            if constexpr (AMX) return _mm512_maskz_mul_ps(mask, x, sv);
-            else return x;
-          };
-          __m512 mx = ninf;
-          for (int64_t k = 0; k < n; k += 16) {
-            const __mmask16 v = lanes_below(n - k);
-            mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, v, scores(v, sr + k)));
-          }
-          const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx));
-          // exp(-inf) = 0 on the first span (no libm call for it)
-          const float alpha = mnew == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : std::exp(m[r] - mnew);
-          m[r] = mnew;
-          const __m512 mv = _mm512_set1_ps(mnew);
+          // P's row and its sum against ref; returns the largest s c - ref c it met
           __m512 sum = zero;
-          for (int64_t k = 0; k < fill; k += BK) {
-            __m512 p0 = zero, p1 = zero;
-            if (k < n) {
-              const __mmask16 v0 = lanes_below(n - k), v1 = lanes_below(n - k - 16);
-              p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(scores(v0, sr + k), mv)));
-              if (v1) p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(scores(v1, sr + k + 16), mv)));
-              sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+          const auto probabilities = [&](float ref) {
+            const __m512 mc = _mm512_set1_ps(ref * c);
+            __m512 top = ninf;
+            sum = zero;
+            for (int64_t k = 0; k < fill; k += BK) {
+              __m512 p0 = zero, p1 = zero;
+              if (k < n) {
+                const __mmask16 v0 = lanes_below(n - k), v1 = lanes_below(n - k - 16);
+                const __m512 t0 = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(v0, sr + k), cv, mc);
+                top = _mm512_mask_max_ps(top, v0, top, t0);
+                p0 = exp2_16(t0, v0);
+                if (v1) {
+                  const __m512 t1 = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(v1, sr + k + 16), cv, mc);
+                  top = _mm512_mask_max_ps(top, v1, top, t1);
+                  p1 = exp2_16(t1, v1);
+                }
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+              }
+              _mm512_storeu_si512(pr + k / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
             }
-            _mm512_storeu_si512(pr + k / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            return _mm512_reduce_max_ps(top);
+          };
+          float ref = m[r];
+          if (ref == -INFINITY && n > 0)
+            ref = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_loadu_ps(ninf, lanes_below(n), sr),
+                                                     _mm512_mask_loadu_ps(ninf, lanes_below(n - 16), sr + 16)));
+          if (!(probabilities(ref) <= HEADROOM)) {  // a score far past the reference (or a NaN): its true max
+            __m512 mx = ninf;
+            for (int64_t k = 0; k < n; k += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, lanes_below(n - k), sr + k));
+            ref = std::max(ref, _mm512_reduce_max_ps(mx));
+            probabilities(ref);
           }
+          // exp(-inf) = 0 on the first span (no libm call for it)
+          const float alpha = ref == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : std::exp2((m[r] - ref) * c);
+          m[r] = ref;
           l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
           if (alpha != 1.f && !(AMX && K0 == 0)) {  // AMX: the first span's P.V starts from zero tiles
             const __m512 av = _mm512_set1_ps(alpha);
@@ -913,6 +933,7 @@ static void with_prefill_dtype(at::ScalarType dtype, F&& f) {
 void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor out,
                        torch::Tensor spans, double scale, bool bf16_dot) {
   check_prefill_args(query, key, value, out, spans);
+  TORCH_CHECK(scale > 0, "scale > 0");
   const int64_t heads = query.size(1), kv_heads = key.size(1), dim = query.size(2);
   with_prefill_dtype(query.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -934,6 +955,7 @@ void prefill_attention_paged(torch::Tensor query, torch::Tensor out, torch::Tens
                              torch::Tensor spans, torch::Tensor block_table, double scale, bool bf16_dot) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && out.is_contiguous() && out.sizes() == query.sizes(),
               "query [tokens, heads, dim], head_dim contiguous; out contiguous, its shape");
+  TORCH_CHECK(scale > 0, "scale > 0");
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
               (fp8 || k_cache.scalar_type() == query.scalar_type()),
