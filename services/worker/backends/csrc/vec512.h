@@ -46,8 +46,9 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
-// 2^t in the lanes of `mask` (zero in the others and below 2^-126), for t <= 0 up to a
-// rounding (log2 units): a degree-4 polynomial for 2^f on [-1/2, 1/2] (a minimax fit),
+// 2^t in the lanes of `mask` (zero in the others and below 2^-126), for t < 128 (log2 units;
+// the prompt kernel's t reach 64 past its kept reference): a degree-4 polynomial for 2^f on
+// [-1/2, 1/2] (a minimax fit),
 // relative error < 3e-6, for the prompt kernel's probabilities, which are rounded to bfloat16
 // (2^-9) next. The clamp keeps every result normal: 2^n p with n >= -126 and p >= 1 at
 // n = -126 (subnormal results cost a microcode assist, as exp16 says).
