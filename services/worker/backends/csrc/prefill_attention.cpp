@@ -537,143 +537,179 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
         const int64_t kspan = std::min(SPAN, kend - K0);
         // row r's visible keys in this span: [0, lim(r))
         const auto lim = [&](int64_t r) { return std::clamp<int64_t>(vis[r] - K0, 0, kspan); };
-        // S = Q K^T (unscaled: the softmax below scales it as it loads it), QR rows at a time
-        // (2 QR accumulators), up to the last key any of them sees: 32 keys a pass, 16 for a
-        // last half tile
-#if FERRY_PREFILL_AMX
-        if constexpr (AMX) {
-          // sixteen rows (one A tile per 32 dimensions) against 32 keys a pass: two C tiles,
-          // a key tile's laid-out pairs of dimensions being B tiles as they are (a scaling pass
-          // of its own here read each tile store straight back, ~9 % of the kernel's time)
-          for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
-            const int64_t qend = lim(std::min(r0 + 15, R - 1));
-            const uint32_t* qa = Qt + r0 * DP;
-            if constexpr (NV == 4) {
-              _tile_loadd(2, qa, DP * 4);
-              _tile_loadd(5, qa + 16, DP * 4);
-            }
-            for (int64_t k = 0; k < qend; k += BK) {
-              const uint32_t* kt = kp + (pn.off + (K0 + k) / BK) * TILE;
-              _tile_zero(0);
-              _tile_zero(1);
-              if constexpr (NV == 4) {
-                _tile_loadd(3, kt, BK * 4);
-                _tile_loadd(4, kt + 16, BK * 4);
-                _tile_loadd(6, kt + 16 * BK, BK * 4);
-                _tile_loadd(7, kt + 16 * BK + 16, BK * 4);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
-                _tile_dpbf16ps(0, 5, 6);
-                _tile_dpbf16ps(1, 5, 7);
-              } else {
-                for (int64_t ks = 0; ks < DP / 16; ++ks) {
-                  _tile_loadd(2, qa + ks * 16, DP * 4);
-                  _tile_loadd(3, kt + ks * 16 * BK, BK * 4);
-                  _tile_loadd(4, kt + ks * 16 * BK + 16, BK * 4);
-                  _tile_dpbf16ps(0, 2, 3);
-                  _tile_dpbf16ps(1, 2, 4);
-                }
-              }
-              float* s = S + r0 * SPAN + k;
-              _tile_stored(0, s, SPAN * 4);
-              _tile_stored(1, s + 16, SPAN * 4);
-            }
-          }
-        } else
-#endif
-        for (int64_t r0 = 0; r0 < Rp; r0 += QR) {
-          const int64_t qend = lim(std::min(r0 + QR - 1, R - 1));
-          const uint32_t* const* qr = qrow.data() + r0;
-          for (int64_t k = 0; k < qend; k += BK) {
-            const uint32_t* kt = kp + (pn.off + (K0 + k) / BK) * TILE;
-            float* s = S + r0 * SPAN + k;
-            if (qend - k > 16) {
-              __m512 a[QR][2];
-              for (auto& row : a) row[0] = row[1] = _mm512_setzero_ps();
-              for (int64_t p = 0; p < DP; ++p) {
-                const __m512bh k0v = (__m512bh)_mm512_loadu_si512(kt + p * BK);
-                const __m512bh k1v = (__m512bh)_mm512_loadu_si512(kt + p * BK + 16);
-                for (int64_t rr = 0; rr < QR; ++rr) {
-                  const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][p]));
-                  a[rr][0] = _mm512_dpbf16_ps(a[rr][0], qb, k0v);
-                  a[rr][1] = _mm512_dpbf16_ps(a[rr][1], qb, k1v);
-                }
-              }
-              for (int64_t rr = 0; rr < QR; ++rr) {
-                _mm512_storeu_ps(s + rr * SPAN, a[rr][0]);
-                _mm512_storeu_ps(s + rr * SPAN + 16, a[rr][1]);
-              }
-            } else {
-              __m512 a[QR];
-              for (auto& row : a) row = _mm512_setzero_ps();
-              for (int64_t p = 0; p < DP; ++p) {
-                const __m512bh k0v = (__m512bh)_mm512_loadu_si512(kt + p * BK);
-                for (int64_t rr = 0; rr < QR; ++rr)
-                  a[rr] = _mm512_dpbf16_ps(a[rr], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][p])), k0v);
-              }
-              for (int64_t rr = 0; rr < QR; ++rr) _mm512_storeu_ps(s + rr * SPAN, a[rr]);
-            }
-          }
-        }
-        // softmax row by row over the keys it sees, P as bfloat16 pairs of keys, zero past them
-        // up to what its P.V pass reads. Each probability is 2^(s c - ref c), c the scale times
-        // log2(e) (S is unscaled; scale > 0): one FMA into exp2_16's base-2 units, a polynomial
-        // of degree 4 since P is rounded to bfloat16 next. ref need not be the max: P, the sum
-        // l and O all hold float32's (and bfloat16's) exponent range, so a row keeps the
-        // reference it has (its first span: the max of its first 32 keys) as long as no score
-        // passes it by more than 2^64 (a row past that is done again against its true max),
-        // and a span needs no pass over its scores for their max nor O a rescale. The softmax
-        // was half of this kernel's time on 2,000-token prompts, its max pass a fifth of that
-        // (perf; docs/benchmarks.md, "Long prompts").
+        // Each probability is 2^(s c - ref c), c the scale times log2(e) (S is unscaled;
+        // scale > 0): one FMA into exp2_16's base-2 units, a polynomial of degree 4 since P is
+        // rounded to bfloat16 next. ref need not be the max: P, the sum l and O all hold
+        // float32's (and bfloat16's) exponent range, so a row keeps the reference it has (its
+        // first span: the max of its first 32 keys) as long as no score passes it by more than
+        // 2^64 (a row past that is done again against its true max), and a span needs no pass
+        // over its scores for their max nor O a rescale. A span's row sum past 2^64 tells (every
+        // probability is >= 0 and one past 2^64 is one score past the bound; a row of many near
+        // it is redone too, correct and rare). The softmax was half of this kernel's time on
+        // 2,000-token prompts, its max pass a fifth of that (perf; docs/benchmarks.md, "Long
+        // prompts").
         const float c = scale * 1.4426950408889634f;
         const __m512 cv = _mm512_set1_ps(c);
-        constexpr float HEADROOM = 64.f;  // log2 units past the reference before a row is redone
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t n = lim(r), fill = (lim(std::min(r - r % PR + PR - 1, R - 1)) + BK - 1) / BK * BK;
+        constexpr float HEADROOM = 0x1p64f;  // a span's row sum past which the row is redone
+        // row r's probabilities for keys [k, k + BK) of the span against mc = ref c, as
+        // bfloat16 pairs of keys (zeros at and past its n visible keys), into sum
+        const auto prob_tile = [&](int64_t r, int64_t n, int64_t k, __m512 mc, __m512& sum) {
           const float* sr = S + r * SPAN;
-          uint32_t* pr = P + r * (SPAN / 2);
-          // P's row and its sum against ref; returns the largest s c - ref c it met
-          __m512 sum = zero;
-          const auto probabilities = [&](float ref) {
-            const __m512 mc = _mm512_set1_ps(ref * c);
-            __m512 top = ninf;
-            sum = zero;
-            for (int64_t k = 0; k < fill; k += BK) {
-              __m512 p0 = zero, p1 = zero;
-              if (k < n) {
-                const __mmask16 v0 = lanes_below(n - k), v1 = lanes_below(n - k - 16);
-                const __m512 t0 = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(v0, sr + k), cv, mc);
-                top = _mm512_mask_max_ps(top, v0, top, t0);
-                p0 = exp2_16(t0, v0);
-                if (v1) {
-                  const __m512 t1 = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(v1, sr + k + 16), cv, mc);
-                  top = _mm512_mask_max_ps(top, v1, top, t1);
-                  p1 = exp2_16(t1, v1);
-                }
-                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-              }
-              _mm512_storeu_si512(pr + k / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            }
-            return _mm512_reduce_max_ps(top);
-          };
-          float ref = m[r];
-          if (ref == -INFINITY && n > 0)
-            ref = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_loadu_ps(ninf, lanes_below(n), sr),
-                                                     _mm512_mask_loadu_ps(ninf, lanes_below(n - 16), sr + 16)));
-          if (!(probabilities(ref) <= HEADROOM)) {  // a score far past the reference (or a NaN): its true max
+          __m512 p0 = zero, p1 = zero;
+          if (k < n) {
+            const __mmask16 v0 = lanes_below(n - k), v1 = lanes_below(n - k - 16);
+            p0 = exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(v0, sr + k), cv, mc), v0);
+            if (v1) p1 = exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(v1, sr + k + 16), cv, mc), v1);
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+          }
+          _mm512_storeu_si512(P + r * (SPAN / 2) + k / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        };
+        // the max of row r's first visible keys in its first tile (its first span's reference)
+        const auto first_ref = [&](int64_t r, int64_t n) {
+          const float* sr = S + r * SPAN;
+          return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_loadu_ps(ninf, lanes_below(n), sr),
+                                                    _mm512_mask_loadu_ps(ninf, lanes_below(n - 16), sr + 16)));
+        };
+        // row r's span done against ref (P, its sum): a row whose sum passed HEADROOM (or
+        // overflowed) is done again against its true max. Then l, m and O take the span (O
+        // rescaled when ref moved).
+        const auto finish_row = [&](int64_t r, int64_t n, int64_t fill, float ref, __m512 sum) {
+          float total = _mm512_reduce_add_ps(sum);
+          if (!(total <= HEADROOM)) {
+            const float* sr = S + r * SPAN;
             __m512 mx = ninf;
             for (int64_t k = 0; k < n; k += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, lanes_below(n - k), sr + k));
             ref = std::max(ref, _mm512_reduce_max_ps(mx));
-            probabilities(ref);
+            const __m512 mc = _mm512_set1_ps(ref * c);
+            sum = zero;
+            for (int64_t k = 0; k < fill; k += BK) prob_tile(r, n, k, mc, sum);
+            total = _mm512_reduce_add_ps(sum);
           }
           // exp(-inf) = 0 on the first span (no libm call for it)
           const float alpha = ref == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : std::exp2((m[r] - ref) * c);
           m[r] = ref;
-          l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+          l[r] = l[r] * alpha + total;
           if (alpha != 1.f && !(AMX && K0 == 0)) {  // AMX: the first span's P.V starts from zero tiles
             const __m512 av = _mm512_set1_ps(alpha);
             for (int64_t vv = 0; vv < NV; ++vv)
               _mm512_storeu_ps(O + r * D + vv * 16, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + vv * 16), av));
+          }
+        };
+        // S = Q K^T (unscaled: the softmax scales it as it loads it), then P.
+#if FERRY_PREFILL_AMX
+        if constexpr (AMX) {
+          // Sixteen rows (one A tile per 32 dimensions) against 32 keys a pass: two C tiles,
+          // a key tile's laid-out pairs of dimensions being B tiles as they are (a scaling pass
+          // of its own here read each tile store straight back, ~9 % of the kernel's time).
+          // The softmax follows one key tile behind: the block's rows over tile k - 32 are
+          // computed in the vector units while the tile unit multiplies tile k (independent
+          // instructions, close enough in program order for the core to overlap them), where
+          // a pass of products and then a pass of softmax left each unit idle half the time.
+          for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
+            const int64_t re = std::min(r0 + 16, R);  // the block's rows that exist
+            const int64_t qend = r0 < R ? lim(re - 1) : 0;
+            const uint32_t* qa = Qt + r0 * DP;
+            if (qend == 0) continue;  // only rows past R, or none of them sees a key of this span
+            if constexpr (NV == 4) {
+              _tile_loadd(2, qa, DP * 4);
+              _tile_loadd(5, qa + 16, DP * 4);
+            }
+            alignas(64) __m512 sums[16];
+            float refs[16];
+            int64_t ns[16];
+            for (int64_t r = r0; r < re; ++r) {
+              sums[r - r0] = zero;
+              refs[r - r0] = m[r];
+              ns[r - r0] = lim(r);
+            }
+            for (int64_t k = 0; k < qend + BK; k += BK) {
+              if (k < qend) {
+                const uint32_t* kt = kp + (pn.off + (K0 + k) / BK) * TILE;
+                _tile_zero(0);
+                _tile_zero(1);
+                if constexpr (NV == 4) {
+                  _tile_loadd(3, kt, BK * 4);
+                  _tile_loadd(4, kt + 16, BK * 4);
+                  _tile_loadd(6, kt + 16 * BK, BK * 4);
+                  _tile_loadd(7, kt + 16 * BK + 16, BK * 4);
+                  _tile_dpbf16ps(0, 2, 3);
+                  _tile_dpbf16ps(1, 2, 4);
+                  _tile_dpbf16ps(0, 5, 6);
+                  _tile_dpbf16ps(1, 5, 7);
+                } else {
+                  for (int64_t ks = 0; ks < DP / 16; ++ks) {
+                    _tile_loadd(2, qa + ks * 16, DP * 4);
+                    _tile_loadd(3, kt + ks * 16 * BK, BK * 4);
+                    _tile_loadd(4, kt + ks * 16 * BK + 16, BK * 4);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                  }
+                }
+                float* s = S + r0 * SPAN + k;
+                _tile_stored(0, s, SPAN * 4);
+                _tile_stored(1, s + 16, SPAN * 4);
+              }
+              if (k == 0) continue;
+              const int64_t kk = k - BK;  // the tile the softmax takes now
+              for (int64_t r = r0; r < re; ++r) {
+                const int64_t j = r - r0;
+                if (kk == 0 && refs[j] == -INFINITY) refs[j] = first_ref(r, ns[j]);  // first span: n >= 1
+                prob_tile(r, ns[j], kk, _mm512_set1_ps(refs[j] * c), sums[j]);
+              }
+            }
+            const int64_t fill = (qend + BK - 1) / BK * BK;
+            for (int64_t r = r0; r < re; ++r) {
+              const int64_t j = r - r0;
+              finish_row(r, ns[j], fill, refs[j], sums[j]);
+            }
+          }
+        } else
+#endif
+        {
+          for (int64_t r0 = 0; r0 < Rp; r0 += QR) {
+            const int64_t qend = lim(std::min(r0 + QR - 1, R - 1));
+            const uint32_t* const* qr = qrow.data() + r0;
+            for (int64_t k = 0; k < qend; k += BK) {
+              const uint32_t* kt = kp + (pn.off + (K0 + k) / BK) * TILE;
+              float* s = S + r0 * SPAN + k;
+              if (qend - k > 16) {
+                __m512 a[QR][2];
+                for (auto& row : a) row[0] = row[1] = _mm512_setzero_ps();
+                for (int64_t p = 0; p < DP; ++p) {
+                  const __m512bh k0v = (__m512bh)_mm512_loadu_si512(kt + p * BK);
+                  const __m512bh k1v = (__m512bh)_mm512_loadu_si512(kt + p * BK + 16);
+                  for (int64_t rr = 0; rr < QR; ++rr) {
+                    const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][p]));
+                    a[rr][0] = _mm512_dpbf16_ps(a[rr][0], qb, k0v);
+                    a[rr][1] = _mm512_dpbf16_ps(a[rr][1], qb, k1v);
+                  }
+                }
+                for (int64_t rr = 0; rr < QR; ++rr) {
+                  _mm512_storeu_ps(s + rr * SPAN, a[rr][0]);
+                  _mm512_storeu_ps(s + rr * SPAN + 16, a[rr][1]);
+                }
+              } else {
+                __m512 a[QR];
+                for (auto& row : a) row = _mm512_setzero_ps();
+                for (int64_t p = 0; p < DP; ++p) {
+                  const __m512bh k0v = (__m512bh)_mm512_loadu_si512(kt + p * BK);
+                  for (int64_t rr = 0; rr < QR; ++rr)
+                    a[rr] = _mm512_dpbf16_ps(a[rr], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][p])), k0v);
+                }
+                for (int64_t rr = 0; rr < QR; ++rr) _mm512_storeu_ps(s + rr * SPAN, a[rr]);
+              }
+            }
+          }
+          // softmax row by row over the keys it sees, P zero past them up to what its P.V pass
+          // reads
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t n = lim(r), fill = (lim(std::min(r - r % PR + PR - 1, R - 1)) + BK - 1) / BK * BK;
+            float ref = m[r];
+            if (ref == -INFINITY && n > 0) ref = first_ref(r, n);
+            const __m512 mc = _mm512_set1_ps(ref * c);
+            __m512 sum = zero;
+            for (int64_t k = 0; k < fill; k += BK) prob_tile(r, n, k, mc, sum);
+            finish_row(r, n, fill, ref, sum);
           }
         }
         // O += P V: PR rows at a time over the keys the last of them sees, two keys per

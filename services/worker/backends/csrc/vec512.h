@@ -46,24 +46,26 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
-// 2^t in the lanes of `mask` (zero in the others and below 2^-126), for t < 128 (log2 units;
-// the prompt kernel's t reach 64 past its kept reference): a degree-4 polynomial for 2^f on
-// [-1/2, 1/2] (a minimax fit),
-// relative error < 3e-6, for the prompt kernel's probabilities, which are rounded to bfloat16
-// (2^-9) next. The clamp keeps every result normal: 2^n p with n >= -126 and p >= 1 at
-// n = -126 (subnormal results cost a microcode assist, as exp16 says).
+// 2^t in the lanes of `mask` (zero in the others), for t < 128 (log2 units; the prompt
+// kernel's t reach 64 past its kept reference), and 2^-126 (a normal float, nothing a
+// bfloat16 probability or its sum can tell from zero) for t <= -126 or NaN: the clamp's max
+// returns its second operand for a NaN. 2^floor(t) times a degree-4 polynomial for 2^f,
+// f = t - floor(t) in [0, 1) (vreduceps, one instruction, and vscalefps takes floor(t) from t
+// itself), fitted for the least largest relative error: < 2.7e-6, for the prompt kernel's
+// probabilities, which are rounded to bfloat16 (2^-9) next. Every result is normal (p(0) > 1):
+// subnormal results cost a microcode assist, as exp16 says.
+#if defined(__AVX512DQ__)  // vreduceps
 static inline __m512 exp2_16(__m512 t, __mmask16 mask) {
-  const __mmask16 live = _mm512_mask_cmp_ps_mask(mask, t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);  // NaN: 0
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(0.009570096619427204f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591785907745361f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443318367f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931217908859253f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f));
-  return _mm512_maskz_scalef_ps(live, p, n);
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(0.013534121215343475f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.052011482417583466f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24144279956817627f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930038332939148f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+  return _mm512_maskz_scalef_ps(mask, p, t);
 }
+#endif
 
 // Sixteen floats to bfloat16, rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0).
 static inline __m256i to_bf16x16_exact(__m512 x) {
