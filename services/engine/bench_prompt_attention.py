@@ -13,7 +13,8 @@ extensions of their own (only the prompt kernels), then:
   the largest difference between the versions' outputs and each one's against float32 SDPA.
 - ``model``: the default model in ``--dtype`` (bfloat16 unless told; ``auto`` as ``ferry
   serve`` chooses: float32 on a CPU without native bfloat16) on the common load (64 x 200-token prompts, 64
-  output tokens, greedy) through the offline engine, the CPU backend's prompt kernels switched
+  output tokens, greedy; ``--num-prompts``, ``--prompt-len`` and ``--max-tokens`` change it, e.g. 32 x
+  2,000 for the long-prompt load) through the offline engine, the CPU backend's prompt kernels switched
   between the two versions run by run (ABBA order); output tok/s and the seconds of prompt
   and decode steps per run.
 
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", default="9,3", help="query heads, KV heads (kernel)")
     p.add_argument("--head-dim", type=int, default=64, help="64 or 128 (kernel)")
     p.add_argument("--runs", type=int, default=6, help="runs of the common load, alternating (model)")
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts a run (model)")
+    p.add_argument("--prompt-len", type=int, default=200, help="tokens a prompt (model; 2000: the long-prompt load)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated a prompt (model)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"),
                    help="q/k/v (kernel; auto: bfloat16) and the model's dtype (model)")
     p.add_argument("--threads", type=int, default=2)
@@ -246,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         kernel_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
         result["kernel"] = kernel(mods, shapes, args.layers, args.rounds, heads, kv_heads, args.head_dim, kernel_dtype)
     if "model" in parts:
-        result["model"] = model(mods["against"], args.runs, dtype=args.dtype)
+        result["model"] = model(mods["against"], args.runs, args.num_prompts, args.prompt_len, args.max_tokens,
+                                dtype=args.dtype)
     write_json(args.out, result)
     return 0
 
