@@ -11,6 +11,8 @@ extensions of their own (only the prompt kernels), then:
   q/k/v (strided views of one q/k/v product, SmolLM2's 9 query and 3 KV heads of 64 by
   default), the two versions alternating round by round; medians, useful GFLOP/s (causal),
   the largest difference between the versions' outputs and each one's against float32 SDPA.
+  ``--amx off`` runs both builds' bfloat16 kernels without AMX tiles (AVX512-BF16 dot products,
+  the path of a CPU without AMX).
 - ``model``: the default model in ``--dtype`` (bfloat16 unless told; ``auto`` as ``ferry
   serve`` chooses: float32 on a CPU without native bfloat16) on the common load (64 x 200-token prompts, 64
   output tokens, greedy; ``--num-prompts``, ``--prompt-len`` and ``--max-tokens`` change it, e.g. 32 x
@@ -82,7 +84,7 @@ def build(texts: dict[str, str]) -> Any:
         if name in texts:
             (folder / name).write_text(texts[name])
     return load_inline(name=f"ferry_prompt_attention_{key}", cpp_sources=[texts[KERNEL]],
-                       functions=["prefill_attention", "prefill_attention_paged"], extra_cflags=cflags,
+                       functions=["prefill_attention", "prefill_attention_paged", "prefill_amx"], extra_cflags=cflags,
                        extra_ldflags=["-fopenmp"], extra_include_paths=[str(folder)], verbose=False)
 
 
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated a prompt (model)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"),
                    help="q/k/v (kernel; auto: bfloat16) and the model's dtype (model)")
+    p.add_argument("--amx", choices=("on", "off"), default="on",
+                   help="off: both builds' bfloat16 kernels without AMX tiles, as on an AVX512-BF16 CPU without AMX (kernel)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -245,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     heads, kv_heads = (int(x) for x in args.heads.split(","))
     result = {**header("services.engine.bench_prompt_attention", argv), "against": label}
+    if args.amx == "off":
+        for mod in mods.values():
+            mod.prefill_amx(0)
     if "kernel" in parts:
         shapes = [s for s in args.shapes.split(";") if s.strip()]
         kernel_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
