@@ -424,9 +424,9 @@ static inline uint16_t bf16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(st
 //
 // A work item takes its keys SPAN (512) at a time in three passes: every score of the span
 // (eight query rows a pass, each row only as far as its causal edge, to the half tile), then
-// each row's softmax with one maximum for the whole span, then P.V four rows a pass, each
-// block only over the keys its last row sees. A prompt of up to 512 tokens never rescales;
-// longer contexts rescale once a span, as flash attention does once a tile. Against one
+// each row's softmax against a reference kept from span to span (below), then P.V four rows a
+// pass, each block only over the keys its last row sees. With AMX tiles the first two are one
+// pass: a sixteen-row block's softmax runs one 32-key tile behind its Q.K^T. Against one
 // 32-key tile at a time through all three steps (the twenty-second session's kernel): 0.85x
 // the time on ten 200-token prompts (docs/benchmarks.md, "Prompt attention in 512-key passes").
 template <typename cache_t, int64_t NV, bool AMX>
