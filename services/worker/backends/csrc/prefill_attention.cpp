@@ -541,13 +541,12 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
         // scale > 0): one FMA into exp2_16's base-2 units, a polynomial of degree 4 since P is
         // rounded to bfloat16 next. ref need not be the max: P, the sum l and O all hold
         // float32's (and bfloat16's) exponent range, so a row keeps the reference it has (its
-        // first span: the max of its first 32 keys) as long as no score passes it by more than
-        // 2^64 (a row past that is done again against its true max), and a span needs no pass
-        // over its scores for their max nor O a rescale. A span's row sum past 2^64 tells (every
-        // probability is >= 0 and one past 2^64 is one score past the bound; a row of many near
-        // it is redone too, correct and rare). The softmax was half of this kernel's time on
-        // 2,000-token prompts, its max pass a fifth of that (perf; docs/benchmarks.md, "Long
-        // prompts").
+        // first span: the max of its first 32 keys) as long as its span's sum stays under 2^64,
+        // which any score more than 2^64 past the reference breaks (a row of many scores just
+        // under that is caught too: correct, and rare); a row past it is done again against its
+        // true max. So a span needs no pass over its scores for their max nor O a rescale. The
+        // softmax was half of this kernel's time on 2,000-token prompts, its max pass a fifth of
+        // that (perf; docs/benchmarks.md, "Long prompts").
         const float c = scale * 1.4426950408889634f;
         const __m512 cv = _mm512_set1_ps(c);
         constexpr float HEADROOM = 0x1p64f;  // a span's row sum past which the row is redone
@@ -607,9 +606,9 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
           // a pass of products and then a pass of softmax left each unit idle half the time.
           for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
             const int64_t re = std::min(r0 + 16, R);  // the block's rows that exist
-            const int64_t qend = r0 < R ? lim(re - 1) : 0;
+            const int64_t qend = lim(re - 1);  // the keys the block's last row sees
             const uint32_t* qa = Qt + r0 * DP;
-            if (qend == 0) continue;  // only rows past R, or none of them sees a key of this span
+            if (qend == 0) continue;  // none of its rows sees a key of this span
             if constexpr (NV == 4) {
               _tile_loadd(2, qa, DP * 4);
               _tile_loadd(5, qa + 16, DP * 4);
