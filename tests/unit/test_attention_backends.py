@@ -301,8 +301,8 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, bf16_dot: b
 @pytest.mark.parametrize("paged", [False, True])
 def test_prefill_kernel_takes_scores_far_past_a_rows_first_keys(amx: bool, head_dim: int, paged: bool) -> None:
     """The bfloat16 prompt kernel's softmax keeps a reference per row (the max of its first 32
-    keys) rather than each span's max, and does a row again against its true max when a score
-    passes the reference by more than 2^64 (its headroom). Keys whose scores pass the first
+    keys) rather than each span's max, and does a row again against its true max when a span's
+    row sum passes 2^64 (as any score more than 2^64 past the reference makes it). Keys whose scores pass the first
     keys' by ~144 in log2 units (2^144 overflows float32 unless the row is done again), one in
     the first 512-key span and one past that in the second, and one far below: every query row
     after them attends to them alone, the rows before are as they were; against float64

@@ -613,7 +613,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
               _tile_loadd(2, qa, DP * 4);
               _tile_loadd(5, qa + 16, DP * 4);
             }
-            alignas(64) __m512 sums[16];
+            __m512 sums[16];
             float refs[16];
             int64_t ns[16];
             for (int64_t r = r0; r < re; ++r) {
