@@ -37,10 +37,6 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         serve.kill()
 
 
-def engine_column(page, table: str) -> list[str]:  # type: ignore[no-untyped-def]
-    return list(page.eval_on_selector_all(f"#{table} tbody tr td:first-child", "tds => tds.map(t => t.textContent)"))
-
-
 def test_the_cards_chart_and_tables_cover_both_engines(cluster: ServeProcess) -> None:
     base = cluster.base_url
     with Load(base, cluster.model, NUM_CLIENTS) as load, open_dashboard(base) as (page, log):
@@ -54,12 +50,15 @@ def test_the_cards_chart_and_tables_cover_both_engines(cluster: ServeProcess) ->
         assert compared >= 5
 
         # the running table lists both engines' requests (its first column names the engine)
-        page.wait_for_function(
+        # (the table and the snapshot read in one evaluation: a push between two reads could
+        # catch an engine between requests)
+        seen = page.wait_for_function(
             "(() => { const e = [...document.querySelectorAll('#running-table tbody tr td:first-child')]"
-            ".map(t => t.textContent); return e.includes('0') && e.includes('1'); })()", timeout=30000)
-        engines = engine_column(page, "running-table")
+            ".map(t => t.textContent); const s = window.ferryDashboard.snapshot();"
+            " return e.includes('0') && e.includes('1') ? {engines: e, snap: s} : null; })()",
+            timeout=30000).json_value()
+        engines, snap = seen["engines"], seen["snap"]
         assert set(engines) == {"0", "1"} and len(engines) <= 2 * MAX_NUM_SEQS, engines
-        snap = page.evaluate("window.ferryDashboard.snapshot()")
         assert sorted({r["engine"] for r in snap["running"]}) == ["0", "1"]
         assert snap["engine"]["num_engines"] == 2
         # the chart plots the sums too: its running series reaches what no single engine can
