@@ -76,8 +76,9 @@ class DecodeLayerArgs:
     """What ``decode_layers`` takes that is fixed for the model: every layer's tensors in its
     order (input norm, post-attention norm, q/k/v tiles and bias, o_proj's, gate/up's,
     down's), the norms' epsilons (the final norm's last), the attention scales, the head
-    shapes, and the most rows every projection's tiled kernel takes; where oneDNN keeps its
-    packed copies beside the tiles (AMX, or ``FERRY_CPU_TILED_LINEAR=small``), those and
+    shapes, and the most rows every projection's tiled kernel takes (0 with AMX: the AMX
+    products from one row); where oneDNN keeps its packed copies beside the tiles
+    (``FERRY_CPU_TILED_LINEAR=small`` without AMX, ``FERRY_CPU_AMX_LINEAR=0``), those and
     their biases per layer (q/k/v, o_proj, gate/up, down; then the four biases), which a
     step of more rows takes as ``PackedLinear`` would; else empty."""
 

@@ -25,14 +25,19 @@ concurrency, where a product is a read of its weight: oneDNN read it at 13.5-20 
 kernel at ~32), blocks of 8 rows x 48 outputs past that. On the Zen 4 EPYC it ran the model's
 products 1.5-1.8x as fast as oneDNN's packed kernels at 1-8 rows, 1.13x at 64 and level from
 256 to 2,048 rows (docs/benchmarks.md, "One bfloat16 linear kernel for every batch"), so there
-it takes every product and oneDNN's copy of the weight is dropped. On a CPU with AMX, whose tile instructions oneDNN uses, it takes
-only products of up to ``SMALL_BATCH_ROWS`` rows and oneDNN keeps the rest (and its copy):
-on a 2-vCPU Xeon with AMX its products ran the model's body 1.07-1.26x as fast as oneDNN's
-at 1 and 3-6 rows, 0.91x at 8 and 0.27x at 64 (docs/benchmarks.md, "On a CPU with AMX").
-It sums in another order than oneDNN, so its outputs are within one bfloat16 step of
-oneDNN's, not bit for bit; a row's result does not depend on how many rows are computed with
-it. ``FERRY_CPU_TILED_LINEAR=0`` keeps every product on oneDNN, ``small`` sends only up to
-``SMALL_BATCH_ROWS`` rows to it.
+it takes every product and oneDNN's copy of the weight is dropped. On a CPU with AMX the AMX
+tile products over the same tiles (``amx_linear``, csrc/tiled_linear.cpp) take a decode step's
+rows from one up to ``amx_linear_rows()`` and, for the projections ``amx_prompt`` names (all
+four by default), a prompt step's: on the 2-vCPU AMX Xeon they ran the model's 30 layers
+1.3-1.6x as fast as the tiled kernel at 1-6 rows, which it kept until then (docs/benchmarks.md,
+"AMX products from one row"). The tiled kernel keeps 1-6 rows (``SMALL_BATCH_ROWS``) there only
+for shapes the AMX products do not take (N or K not a multiple of 32) or with
+``FERRY_CPU_AMX_LINEAR=0``. Both sum in another order than oneDNN, so their outputs are within
+one bfloat16 step of oneDNN's, not bit for bit; each sums a row the same way at any row count,
+so a row's result does not depend on how many rows are computed with it (with every product on
+one of them, a request's outputs do not depend on its batch). ``FERRY_CPU_TILED_LINEAR=0``
+keeps every product on oneDNN, ``small`` sends up to ``SMALL_BATCH_ROWS`` rows to the tiled
+kernel on any CPU (with AMX: the AMX products past them, the split before).
 
 float32 too: there oneDNN's kernels sum in another order than MKL's (differences ~1e-5
 relative on these shapes), so logits are no longer bit-identical to transformers', but
@@ -57,7 +62,10 @@ from torch import nn
 log = logging.getLogger("ferry.worker.packed_linear")
 
 BATCH_HINT = 64  # the M oneDNN picks its layout for; measured best or near-best from M=1 to 2048
-SMALL_BATCH_ROWS = 6  # the tiled kernel's rows where oneDNN keeps the larger products (AMX, or "small"); measured
+SMALL_BATCH_ROWS = 6  # the tiled kernel's rows beside AMX or oneDNN products ("small"; AMX shapes it cannot take)
+# With AMX: the tiled kernel's rows, the AMX tile products past them (0: they take every
+# decode step from one row; measured, docs/benchmarks.md "AMX products from one row")
+AMX_TILED_ROWS = 0
 ALL_ROWS = 1 << 62  # the tiled kernel takes every product
 
 
@@ -139,12 +147,16 @@ class PackedLinear(nn.Module):
             raise RuntimeError(f"oneDNN's weight is still needed: the tiled kernels do not take {rows} rows")
         self.packed = None
 
-    def extra_repr(self) -> str:
+    def split(self) -> str:
+        """Which copies it holds and which kernel takes how many rows (for logs and repr)."""
         amx_all = self._amx is not None and self.amx_rows >= ALL_ROWS
-        held = ("packed" if self.tiles is None
+        return ("packed" if self.tiles is None
                 else (f"tiled up to {self.tiled_rows} rows, AMX past them" if amx_all else "tiled") if self.packed is None
                 else f"packed, tiled up to {self.tiled_rows} rows" + (f", AMX up to {self.amx_rows}" if self._amx else ""))
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {held}"
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.split()}")
 
 
 class TiledEmbedding(nn.Module):
@@ -353,23 +365,25 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, device: torch.device) ->
     return swapped
 
 
-def tiled_rows(dtype: torch.dtype) -> int:
-    """How many rows at most a bfloat16 product sends to the tiled kernel (0: none).
+def tiled_rows(dtype: torch.dtype) -> int | None:
+    """How many rows at most a bfloat16 product sends to the tiled kernel (None: no tiles at all).
 
     ``FERRY_CPU_TILED_LINEAR``: ``auto`` (default) every product where the CPU has no AMX,
-    up to ``SMALL_BATCH_ROWS`` where it has (oneDNN's AMX kernels keep the larger ones: 1.1x
-    the tiled kernel's speed at 8 rows, 3.7x at 64); ``small`` up to ``SMALL_BATCH_ROWS`` on any CPU; ``0`` none (for A/B runs).
+    ``AMX_TILED_ROWS`` (none) where it has: the AMX tile products over the same tiles take a
+    decode step's rows from one (on the AMX Xeon 1.3-1.6x the tiled kernel's speed at 1-6
+    rows) and a prompt step's; ``small`` up to ``SMALL_BATCH_ROWS`` on any CPU (with AMX,
+    AMX products past them: the split before); ``0`` no tiles, oneDNN alone (for A/B runs).
     """
     setting = os.environ.get("FERRY_CPU_TILED_LINEAR", "auto").strip().lower()
     if dtype != torch.bfloat16 or setting in ("0", "false", "no", "off"):
-        return 0
+        return None
     if setting == "small":
         return SMALL_BATCH_ROWS
     if setting not in ("auto", "1", "true", "yes", "on"):
         raise ValueError(f"FERRY_CPU_TILED_LINEAR={setting!r}: auto, small or 0")
     from .backends.cpu_paged import cpu_flag
 
-    return SMALL_BATCH_ROWS if cpu_flag("amx_bf16") else ALL_ROWS
+    return AMX_TILED_ROWS if cpu_flag("amx_bf16") else ALL_ROWS
 
 
 def amx_rows(kernels: Any) -> int:
@@ -428,14 +442,17 @@ def _add_tiled(packed: PackedLinear, weight: torch.Tensor, bias: torch.Tensor | 
     (see the module doc), and drop oneDNN's copy where the tiled kernel takes every product.
 
     It sums in another order than oneDNN, so it is held to the float32 product within a
-    bfloat16 step on probes of one row (the stream path) and eleven (two row blocks).
+    bfloat16 step on probes of one row (the stream path) and eleven (two row blocks); where
+    the AMX products take them, those probe the AMX products instead.
     """
     rows = tiled_rows(weight.dtype)
-    if not rows or packed.out_features % 16 or packed.in_features % 2 or packed.in_features == 0:
+    if rows is None or packed.out_features % 16 or packed.in_features % 2 or packed.in_features == 0:
         return False
     kernels = _tiled_kernels()
     if kernels is None:
         return False
+    if rows < SMALL_BATCH_ROWS and (packed.out_features % 32 or packed.in_features % 32 or not amx_rows(kernels)):
+        rows = SMALL_BATCH_ROWS  # no AMX products for this shape (or they are off): the tiled kernel's small rows
     packed.add_tiled(weight, kernels, rows, prompt=amx_prompt(name))
     # one row and eleven (the tiled kernel's stream and its row blocks); with the AMX products
     # on every row, 130 too (their prompt path, past the decode bound)

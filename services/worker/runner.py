@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,6 @@ from .lean_forward import LeanDecoder
 from .loader import load_model
 from .logits_processors import ConstraintTracker
 from .packed_linear import (
-    SMALL_BATCH_ROWS,
     PackedLinear,
     fuse_projections,
     pack_linears,
@@ -160,10 +160,9 @@ class ModelRunner:
             log.info("%d linear layers on oneDNN-packed weights", packed)
         tiles = [m.tiles for m in self.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]
         if tiles:
-            alone = sum(1 for m in self.model.modules() if isinstance(m, PackedLinear) and m.packed is None)
-            log.info("%d of them on the tiled bfloat16 kernel (%d MB): %d for every product, %d for up to %d rows "
-                     "beside oneDNN's copy", len(tiles), sum(t.nbytes for t in tiles) // 10**6, alone,
-                     len(tiles) - alone, SMALL_BATCH_ROWS)
+            splits = Counter(m.split() for m in self.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None)
+            log.info("%d of them on ferry's bfloat16 kernels (%d MB of tiles): %s", len(tiles),
+                     sum(t.nbytes for t in tiles) // 10**6, "; ".join(f"{n} {split}" for split, n in splits.items()))
         if config.quantization == "int8":
             self.weight_bytes = _weight_bytes(self.model)
         fused_ops = fuse_elementwise(self.body, self.dtype, self.device)

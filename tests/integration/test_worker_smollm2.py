@@ -65,15 +65,18 @@ def test_bfloat16_logprobs_are_close_to_float32(fp32: LLM) -> None:
     assert sum(diffs) / len(diffs) < 0.1
 
 
-def test_bfloat16_outputs_do_not_depend_on_the_batch_on_the_tiled_kernel() -> None:
-    """With every bfloat16 product on the tiled kernel (a row's sums in the same order at any
-    row count) and attention's work items whole requests, a request's logprobs are the same
-    bits alone as inside a batch. On oneDNN they were not (docs/benchmarks.md, "One bfloat16
-    linear kernel for every batch": 4 of 38 greedy outputs changed)."""
-    from services.worker.packed_linear import ALL_ROWS, _tiled_kernels, tiled_rows
+def test_bfloat16_outputs_do_not_depend_on_the_batch_on_ferrys_products() -> None:
+    """With every bfloat16 product on the tiled kernel, or with AMX on the AMX tile products
+    (either sums a row in the same order at any row count), and attention's work items whole
+    requests, a request's logprobs are the same bits alone as inside a batch. On oneDNN they
+    were not (docs/benchmarks.md, "One bfloat16 linear kernel for every batch": 4 of 38 greedy
+    outputs changed), nor with AMX while the tiled kernel kept 1-6 rows (FERRY_CPU_TILED_LINEAR=small)."""
+    from services.worker.packed_linear import ALL_ROWS, _tiled_kernels, amx_rows, tiled_rows
 
-    if _tiled_kernels() is None or tiled_rows(torch.bfloat16) < ALL_ROWS:
-        pytest.skip("the tiled kernel does not take every bfloat16 product on this CPU or build")
+    kernels, rows = _tiled_kernels(), tiled_rows(torch.bfloat16)
+    # every product on the tiled kernel, or (AMX) every product on the AMX tile products
+    if kernels is None or rows is None or (rows < ALL_ROWS and not (rows == 0 and amx_rows(kernels))):
+        pytest.skip("neither the tiled kernel nor the AMX products take every bfloat16 product on this CPU or build")
     chats = CHATS + [[{"role": "user", "content": q}] for q in (
         "List the planets of the solar system.", "What does a ferry do?", "Count from one to ten in French.",
         "Give me a short tip for writing clear emails.")]

@@ -523,8 +523,9 @@ def test_tiled_kernel_takes_every_product_without_amx(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("setting", ["small", "amx"])
 def test_tiled_kernel_takes_six_rows_at_most_beside_onednn(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
-    """With AMX (oneDNN's tile kernels) or FERRY_CPU_TILED_LINEAR=small, up to 6 rows go to the
-    tiled kernel and more (7 here) to oneDNN, which keeps its copy; with 0, nothing goes to it."""
+    """With FERRY_CPU_TILED_LINEAR=small, or with AMX for a shape the AMX products do not take
+    (48 outputs here, not a multiple of 32), up to 6 rows go to the tiled kernel and more (7
+    here) to oneDNN, which keeps its copy; with 0, nothing goes to it."""
     k = _tiled_kernels()
     if not _bf16_packing_exact_here():
         pytest.skip("bfloat16 on AVX2: nothing is packed")
@@ -554,6 +555,44 @@ def test_tiled_kernel_takes_six_rows_at_most_beside_onednn(monkeypatch: pytest.M
     monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "everything")
     with pytest.raises(ValueError, match="FERRY_CPU_TILED_LINEAR"):
         pack_linears(copy.deepcopy(plain), torch.bfloat16, CPU)
+
+
+@pytest.mark.parametrize("amx_linear", ["1", "0"])
+def test_amx_products_take_every_row_from_one(monkeypatch: pytest.MonkeyPatch, amx_linear: str) -> None:
+    """With AMX (the default split), a shape the AMX tile products take goes to them from one
+    row and the tiled kernel takes none; with them off
+    (FERRY_CPU_AMX_LINEAR=0) the tiled kernel keeps its 6 rows beside oneDNN."""
+    k = _tiled_kernels()
+    if k is None or not k.tiled_amx(-1):
+        pytest.skip("no AMX tile products here")
+    monkeypatch.setenv("FERRY_CPU_AMX_LINEAR", amx_linear)
+    gen = torch.Generator().manual_seed(6)
+    model = nn.Sequential(nn.Linear(64, 96)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    plain = copy.deepcopy(model)
+    try:
+        assert pack_linears(model, torch.bfloat16, CPU) == 1
+        layer = model[0]
+        assert layer.tiles is not None
+        calls: list[str] = []
+        for name in ("_tiled", "_amx"):
+            real = getattr(layer, name)
+            if real is not None:
+                monkeypatch.setattr(layer, name, lambda *a, n=name, f=real: calls.append(n) or f(*a))
+        x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            got = layer(x)
+        want = F.linear(x.float(), plain[0].weight.float(), plain[0].bias.float())
+        assert torch.allclose(got.float(), want, rtol=2**-7, atol=1e-2 * want.abs().max().item())
+        if amx_linear == "1":
+            # (oneDNN keeps rows past a decode step's: only the model's projections send it prompt rows)
+            assert layer.tiled_rows == 0 and layer.amx_rows == k.amx_linear_rows() and calls == ["_amx"]
+        else:
+            assert layer.tiled_rows == 6 and layer.packed is not None and calls == ["_tiled"]
+    finally:
+        k.tiled_amx(1)  # FERRY_CPU_AMX_LINEAR=0 turned them off in the process
 
 
 def test_fused_groups_and_the_model_on_the_tiled_kernel() -> None:
