@@ -150,9 +150,11 @@ class PackedLinear(nn.Module):
     def split(self) -> str:
         """Which copies it holds and which kernel takes how many rows (for logs and repr)."""
         amx_all = self._amx is not None and self.amx_rows >= ALL_ROWS
+        amx_some = f", AMX up to {self.amx_rows}" if self._amx is not None and not amx_all else ""
         return ("packed" if self.tiles is None
-                else (f"tiled up to {self.tiled_rows} rows, AMX past them" if amx_all else "tiled") if self.packed is None
-                else f"packed, tiled up to {self.tiled_rows} rows" + (f", AMX up to {self.amx_rows}" if self._amx else ""))
+                else (f"tiled up to {self.tiled_rows} rows, AMX past them" if amx_all
+                      else f"tiled up to {self.tiled_rows} rows{amx_some}" if amx_some else "tiled") if self.packed is None
+                else f"packed, tiled up to {self.tiled_rows} rows{amx_some}")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
