@@ -10,7 +10,9 @@ same data in alternating rounds, reporting each one's median over the rounds:
 - ``decode``: the common load's decode shape (64 requests, contexts 201-264, 9/3 heads
   of 64, block size 16), one call per layer over ``--layers`` layers' own caches (read
   from memory) on a fresh server's block layout, and on one layer's 17 blocks (resident:
-  the compute alone), per cache dtype (bfloat16, float8 with bfloat16 queries);
+  the compute alone), per cache dtype (bfloat16, float8 with bfloat16 queries), each
+  through the path the engine takes on this CPU (``--dot``: on a CPU with AMX a bfloat16
+  cache is read through float32 FMAs, elsewhere through bfloat16 dot products);
 - ``mixed``: decode steps whose contexts differ widely (one long conversation among short
   ones), where the split of work between threads matters;
 - ``prefill``: fresh prompts through the causal prompt kernel (8 x 200 tokens, 10 x 200 + 48,
@@ -110,10 +112,11 @@ def decode_cases(args: argparse.Namespace) -> list[tuple[str, torch.dtype, list[
 
 
 def decode_dot(args: argparse.Namespace, name: str, cache_dtype: torch.dtype) -> bool:
-    """The decode kernel's ``bf16_dot``: True for both trees (``--dot on``, the default); for
-    this tree the backend's own rule (``--dot auto``: float32 FMAs for a bfloat16 cache on a CPU
-    with AMX, cpu_paged.bf16_decode_through_fma), the base tree keeping dot products; or the
-    backend's rule for both trees (``--dot rule``: two builds of the path this CPU runs)."""
+    """The decode kernel's ``bf16_dot``: the backend's rule for both trees (``--dot rule``, the
+    default: two builds of the path the engine runs on this CPU, float32 FMAs for a bfloat16
+    cache on a CPU with AMX, cpu_paged.bf16_decode_through_fma); True for both (``--dot on``:
+    the dot-product path, whichever CPU); or the rule for this tree, dot products for the base
+    (``--dot auto``)."""
     if args.dot == "on" or (name == "base" and args.dot == "auto"):
         return True
     from services.worker.backends.cpu_paged import bf16_decode_through_fma
@@ -260,22 +263,26 @@ def run_linear(kernels: dict[str, Any], args: argparse.Namespace) -> list[dict[s
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, type=Path, help="the other checkout (e.g. a git worktree)")
     p.add_argument("--parts", default="decode,mixed,prefill", help="decode, mixed, prefill, linear (AMX products)")
     p.add_argument("--linear-rows", default="8,32,64,128,200,512,2048", help="rows per product (linear)")
     p.add_argument("--layers", type=int, default=30, help="layers' caches per decode step")
-    p.add_argument("--dot", choices=("on", "auto", "rule"), default="on",
-                   help="decode bf16_dot: on for both trees; auto: this tree as the backend chooses, the base "
-                        "tree dot products; rule: both trees as the backend chooses")
+    p.add_argument("--dot", choices=("on", "auto", "rule"), default="rule",
+                   help="decode bf16_dot: rule (default): both trees as the backend chooses on this CPU; on: dot "
+                        "products for both; auto: this tree as the backend chooses, the base tree dot products")
     p.add_argument("--prefill-dtypes", default="bfloat16,float32",
                    type=lambda v: [getattr(torch, d.strip()) for d in v.split(",")],
                    help="query/key/value dtypes of the prefill part")
     p.add_argument("--rounds", type=int, default=8, help="alternating rounds per case")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.base.resolve() == ROOT:
         raise SystemExit("--base is this tree")
     torch.set_num_threads(args.threads)

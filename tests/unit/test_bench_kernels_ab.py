@@ -71,6 +71,10 @@ def test_decode_dot_modes(monkeypatch: pytest.MonkeyPatch, through_fma: bool) ->
     for name in ("base", "this"):
         assert dot("rule", name, bf16) is not through_fma
         assert dot("rule", name, fp8)
+    # and rule is what a run without --dot measures: the path the engine takes on this CPU
+    default = ab.parser().parse_args(["--base", "/tmp/elsewhere"])
+    assert default.dot == "rule"
+    assert ab.decode_dot(default, "base", bf16) is not through_fma
 
 
 def test_linear_part_times_every_projection_at_every_row_count() -> None:
