@@ -226,7 +226,13 @@ def _sampling(meta: dict[str, Any]) -> str:
 
 
 def _s(ms: float | None) -> str:
-    return "n/a" if ms is None else f"{ms / 1000:.1f} s"
+    """A latency for the board: milliseconds below a second (a TTFT of 40 ms is not "0.0 s"),
+    with a decimal below 100 ms (an inter-token latency of 6.5 ms)."""
+    if ms is None:
+        return "n/a"
+    if ms < 99.95:
+        return f"{ms:.1f} ms"
+    return f"{ms:.0f} ms" if ms < 999.5 else f"{ms / 1000:.1f} s"
 
 
 # ---------------------------------------------------------------------------- board
@@ -243,21 +249,23 @@ def board(results: dict[str, Any]) -> str:
         f"max_tokens {meta['max_tokens']} with ignore_eos, {_sampling(meta)}; burst = all at once, "
         f"{meta['rate']:g}/s = one every {1 / meta['rate']:.2f} s. Command: `{meta['command']}`", "",
         "| server | dtype | burst out tok/s | vs GEMM limit | burst TTFT p95 | "
-        f"{meta['rate']:g}/s TTFT p95 | {meta['rate']:g}/s e2e p95 | peak RSS (all processes) | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"{meta['rate']:g}/s TTFT p95 | {meta['rate']:g}/s ITL p50 | {meta['rate']:g}/s e2e p95 | "
+        "peak RSS (all processes) | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     repeated = max((row.get("repeat", 1) for row in results["servers"]), default=1) > 1
     for row in results["servers"]:
         label = f"{row['label']} #{row.get('repeat', 1)}" if repeated else row["label"]
         if "error" in row:
-            lines.append(f"| {label} | {row['dtype']} | failed: {row['error'][:120]} | | | | | | |")
+            lines.append(f"| {label} | {row['dtype']} | failed: {row['error'][:120]} | | | | | | | |")
             continue
         b, r = row["burst"], row["rate"]
         limit = limits.get(row["dtype"], {}).get("output_tok_s")
         share = f"{100 * b['output_tok_s'] / limit:.0f} %" if limit else "n/a"
         lines.append(
             f"| {label} | {row['dtype']} | {b['output_tok_s']:.1f} | {share} | {_s(b['ttft_p95_ms'])} | "
-            f"{_s(r['ttft_p95_ms'])} | {_s(r['e2e_p95_ms'])} | {row['peak_rss_bytes'] / 2**20:,.0f} MiB | "
+            f"{_s(r['ttft_p95_ms'])} | {_s(r.get('itl_p50_ms'))} | {_s(r['e2e_p95_ms'])} | "
+            f"{row['peak_rss_bytes'] / 2**20:,.0f} MiB | "
             f"{b['errors'] + r['errors']} |")
     notes = [""]
     if any(row.get("server") == "ferry-int8" for row in results["servers"]):
@@ -266,7 +274,7 @@ def board(results: dict[str, Any]) -> str:
                      "can pass 100 %.")
     for dtype, limit in limits.items():
         lines.append(
-            f"| GEMM limit ({limit['threads']} threads) | {dtype} | {limit['output_tok_s']:.1f} | 100 % | | | | | |")
+            f"| GEMM limit ({limit['threads']} threads) | {dtype} | {limit['output_tok_s']:.1f} | 100 % | | | | | | |")
         notes.append(f"GEMM limit, {dtype}: " + "; ".join(
             f"{name} {p['tflop']:.2f} TFLOP at {p['gflop_s']:.1f} GFLOP/s = {p['seconds']:.1f} s"
             for name, p in limit["parts"].items()) + f"; total {limit['seconds']:.1f} s.")
@@ -287,16 +295,19 @@ def repeat_summary(results: dict[str, Any]) -> list[str]:
     lines = ["", "Medians over the repeats (every repeat ran each server in turn; "
              "ratio = ferry serve's burst out tok/s / this server's, in the same repeat):", "",
              f"| server | dtype | burst out tok/s, median (min-max) | {rate:g}/s TTFT p95, median | "
-             "ferry serve / this, per repeat | median ratio |", "|---|---|---:|---:|---|---:|"]
+             f"{rate:g}/s ITL p50, median | ferry serve / this, per repeat | median ratio |",
+             "|---|---|---:|---:|---:|---|---:|"]
     for (label, dtype), by_repeat in groups.items():
         burst = [r["burst"]["output_tok_s"] for r in by_repeat.values()]
         ttft = [r["rate"]["ttft_p95_ms"] for r in by_repeat.values() if r["rate"]["ttft_p95_ms"] is not None]
+        itl = [r["rate"]["itl_p50_ms"] for r in by_repeat.values() if r["rate"].get("itl_p50_ms") is not None]
         ferry = groups.get(("ferry serve", dtype), {})
         ratios = [ferry[k]["burst"]["output_tok_s"] / row["burst"]["output_tok_s"]
                   for k, row in sorted(by_repeat.items()) if k in ferry and label != "ferry serve"]
         lines.append(
             f"| {label} | {dtype} | {statistics.median(burst):.1f} ({min(burst):.1f}-{max(burst):.1f}) | "
-            f"{f'{statistics.median(ttft):.0f} ms' if ttft else 'n/a'} | {', '.join(f'{x:.2f}x' for x in ratios)} | "
+            f"{f'{statistics.median(ttft):.0f} ms' if ttft else 'n/a'} | "
+            f"{f'{statistics.median(itl):.1f} ms' if itl else 'n/a'} | {', '.join(f'{x:.2f}x' for x in ratios)} | "
             f"{f'{statistics.median(ratios):.2f}x' if ratios else ''} |")
     return lines
 

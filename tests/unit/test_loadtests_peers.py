@@ -62,7 +62,8 @@ def test_repeats_get_medians_and_per_repeat_ratios() -> None:
             "command": "c"}
 
     def row(label: str, server: str, repeat: int, tok_s: float, ttft_ms: float) -> dict[str, object]:
-        run = {"output_tok_s": tok_s, "ttft_p95_ms": ttft_ms, "e2e_p95_ms": 900.0, "errors": 0}
+        run = {"output_tok_s": tok_s, "ttft_p95_ms": ttft_ms, "itl_p50_ms": ttft_ms / 20, "e2e_p95_ms": 1900.0,
+               "errors": 0}
         return {"label": label, "dtype": "bfloat16", "server": server, "repeat": repeat, "burst": run,
                 "rate": run, "peak_rss_bytes": 2 << 30}
 
@@ -72,8 +73,10 @@ def test_repeats_get_medians_and_per_repeat_ratios() -> None:
             row(vllm, "vllm-all-cores", 3, 240.0, 200.0), row("ferry serve", "ferry", 3, 240.0, 220.0)]
     text = board({"meta": meta, "gemm_limits": {}, "servers": rows})
     assert f"| {vllm} #2 | bfloat16 | 200.0 |" in text  # every run keeps its own row
-    assert f"| {vllm} | bfloat16 | 240.0 (200.0-250.0) | 300 ms | 1.20x, 1.30x, 1.00x | 1.20x |" in text
-    assert "| ferry serve | bfloat16 | 260.0 (240.0-300.0) | 280 ms |  |  |" in text
+    # latencies under a second in milliseconds, past it in seconds; the rate run's ITL beside its TTFT
+    assert f"| {vllm} #2 | bfloat16 | 200.0 | n/a | 310 ms | 310 ms | 15.5 ms | 1.9 s | 2,048 MiB | 0 |" in text
+    assert f"| {vllm} | bfloat16 | 240.0 (200.0-250.0) | 300 ms | 15.0 ms | 1.20x, 1.30x, 1.00x | 1.20x |" in text
+    assert "| ferry serve | bfloat16 | 260.0 (240.0-300.0) | 280 ms | 14.0 ms |  |  |" in text
     # one repeat: the board as before, no summary
     single = board({"meta": meta, "gemm_limits": {}, "servers": [r for r in rows if r["repeat"] == 1]})
     assert "Medians over the repeats" not in single and "#1" not in single
