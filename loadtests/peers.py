@@ -306,8 +306,8 @@ def repeat_summary(results: dict[str, Any]) -> list[str]:
                   for k, row in sorted(by_repeat.items()) if k in ferry and label != "ferry serve"]
         lines.append(
             f"| {label} | {dtype} | {statistics.median(burst):.1f} ({min(burst):.1f}-{max(burst):.1f}) | "
-            f"{f'{statistics.median(ttft):.0f} ms' if ttft else 'n/a'} | "
-            f"{f'{statistics.median(itl):.1f} ms' if itl else 'n/a'} | {', '.join(f'{x:.2f}x' for x in ratios)} | "
+            f"{_s(statistics.median(ttft) if ttft else None)} | {_s(statistics.median(itl) if itl else None)} | "
+            f"{', '.join(f'{x:.2f}x' for x in ratios)} | "
             f"{f'{statistics.median(ratios):.2f}x' if ratios else ''} |")
     return lines
 
