@@ -149,12 +149,14 @@ class PackedLinear(nn.Module):
 
     def split(self) -> str:
         """Which copies it holds and which kernel takes how many rows (for logs and repr)."""
-        amx_all = self._amx is not None and self.amx_rows >= ALL_ROWS
-        amx_some = f", AMX up to {self.amx_rows}" if self._amx is not None and not amx_all else ""
-        return ("packed" if self.tiles is None
-                else (f"tiled up to {self.tiled_rows} rows, AMX past them" if amx_all
-                      else f"tiled up to {self.tiled_rows} rows{amx_some}" if amx_some else "tiled") if self.packed is None
-                else f"packed, tiled up to {self.tiled_rows} rows{amx_some}")
+        if self.tiles is None:
+            return "packed"
+        if self._amx is not None and self.amx_rows >= ALL_ROWS:
+            return f"tiled up to {self.tiled_rows} rows, AMX past them"
+        amx = f", AMX up to {self.amx_rows}" if self._amx is not None else ""
+        if self.packed is not None:
+            return f"packed, tiled up to {self.tiled_rows} rows{amx}"
+        return f"tiled up to {self.tiled_rows} rows{amx}" if amx else "tiled"
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

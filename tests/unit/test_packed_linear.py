@@ -589,8 +589,10 @@ def test_amx_products_take_every_row_from_one(monkeypatch: pytest.MonkeyPatch, a
         if amx_linear == "1":
             # (oneDNN keeps rows past a decode step's: only the model's projections send it prompt rows)
             assert layer.tiled_rows == 0 and layer.amx_rows == k.amx_linear_rows() and calls == ["_amx"]
+            assert layer.split() == f"packed, tiled up to 0 rows, AMX up to {k.amx_linear_rows()}"
         else:
             assert layer.tiled_rows == 6 and layer.packed is not None and calls == ["_tiled"]
+            assert layer.split() == "packed, tiled up to 6 rows"
     finally:
         k.tiled_amx(1)  # FERRY_CPU_AMX_LINEAR=0 turned them off in the process
 
