@@ -154,6 +154,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A key for /metrics, /dashboard and /v1/config on a public bind (besides 'ferry keys add --admin' keys)."""
     allow_unauthenticated_public: bool = False
     """Allow binding a non-loopback host without any authentication."""
+    auth_failure_limit: int = 30
+    """Failed authentications one client address may make per minute before it is answered 429 (0: no limit)."""
+    auth_failure_block_s: float = 60.0
+    """How long an address over auth_failure_limit is answered 429 (valid keys are never throttled)."""
+    forwarded_allow_ips: str = ""
+    """Proxies whose X-Forwarded-For names the client: IPs or CIDRs, comma-separated, '*' any ('': none)."""
     max_body_bytes: int = 4 << 20
     max_n: int = 16
     metrics_compat: str = ""

@@ -14,6 +14,7 @@ opt in by adding a rule here).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import sys
@@ -71,6 +72,18 @@ def non_empty(value: Any) -> str | None:
     return None if value else "must not be empty"
 
 
+def proxies(value: Any) -> str | None:
+    """IP addresses or networks separated by commas, or '*' (uvicorn's --forwarded-allow-ips)."""
+    for item in str(value).split(","):
+        item = item.strip()
+        if item and item != "*":
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                return f"must be IP addresses or networks separated by commas, or '*' (got {item!r})"
+    return None
+
+
 RULES: dict[str, list[Rule]] = {
     # scheduler (and the worker's copies of the same knobs)
     "max_num_batched_tokens": [at_least(1)],
@@ -115,6 +128,9 @@ RULES: dict[str, list[Rule]] = {
     "scheduler_timeout_s": [positive],
     "redis_timeout_s": [positive],
     "max_inflight_requests": [at_least(0)],
+    "auth_failure_limit": [at_least(0)],
+    "auth_failure_block_s": [positive],
+    "forwarded_allow_ips": [proxies],
 }
 
 

@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     st = app.state.gateway
     log.info("gateway starting", extra={"config": st.effective_config()["gateway"], "gateway_id": st.gateway_id,
                                         "tokenizer": str(st.tokenizer.folder)})
-    uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
+    # proxy_headers off: the gateway itself decides whose X-Forwarded-For to believe
+    # (--forwarded-allow-ips, auth_failures.py); uvicorn's default trusts 127.0.0.1.
+    uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False, proxy_headers=False,
                 timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_grace_s)))
     return 0
 

@@ -17,6 +17,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway.auth import AdmissionError
+from services.gateway.auth_failures import AuthFailures, FailureThrottle, Throttled, TrustedProxies
+from services.gateway.auth_gate import GENERATION_PATHS, AuthGate
 from services.gateway.dashboard import make_dashboard_router
 from services.gateway.errors import APIError, bad_request, install_error_handlers
 from services.gateway.middleware import RequestGuard
@@ -28,7 +30,6 @@ from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.validation import check_model, render_chat
 from shared.config import GatewayConfig
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 JSON_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
@@ -156,9 +157,21 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
     async def is_admin(key: str) -> bool:
         return admin_key(key) or await st.admission.is_admin(key)
 
+    def on_auth_failure(reason: str, address: str, verdict: Throttled) -> None:
+        st.metrics.on_auth_failure(reason, address, verdict.retry_after_s, verdict.started,
+                                   config.auth_failure_limit)
+
+    throttle = FailureThrottle(config.auth_failure_limit, config.auth_failure_block_s,
+                               redis=st.admission.shared_client, namespace=st.admission.layout.namespace,
+                               redis_timeout_s=config.redis_timeout_s)
+    failures = AuthFailures(throttle, TrustedProxies(config.forwarded_allow_ips), on_auth_failure)
     protect = not is_loopback(config.host) and not config.allow_unauthenticated_public
-    app.add_middleware(OpsAuth, protect=protect, is_admin=is_admin)
+    # Starlette runs the last added outermost: AuthGate sees a request first, before the body guard
+    # reads or parses its body and before any route (docs/operations.md, "Who is checked when").
+    app.add_middleware(OpsAuth, protect=protect, is_admin=is_admin, failures=failures)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, json_paths=JSON_PATHS,
                        limits=st.request_limits, body_timeout_s=config.body_timeout_s,
+                       on_refused=on_refused)
+    app.add_middleware(AuthGate, authenticate=st.admission.authenticate, failures=failures,
                        on_refused=on_refused)
     return app

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.gateway import keystore
@@ -189,6 +190,10 @@ class Admission:
                 self._on_failure(exc, started)
         self.local.refund(grant.key_hash, grant.tpm, delta)
 
+    def shared_client(self) -> Redis | None:
+        """The Redis client while Redis answers (None: no Redis, or degraded): the failure throttle's."""
+        return self._client if self._state != "degraded" else None
+
     def health(self) -> dict[str, Any]:
         """{"redis": "ok" | "degraded" | "disabled", "detail": ..., "auth": mode, ...}."""
         self._ensure_task()
@@ -204,10 +209,14 @@ class Admission:
             out["fallback_share"] = f"1/{self.num_gateways} of each key's limits"
         return out
 
-    async def authenticate(self, authorization_header: str | None) -> None:
-        """The key rules of generation without its limits, for the API endpoints that generate
-        nothing (/v1/models, /tokenize, /detokenize): raises the same 401 (or 503 when keys
-        cannot be verified) as ``authorize`` would, charges no request or token allowance."""
+    async def authenticate(self, authorization_header: str | None, checked_later: bool = False) -> None:
+        """The key rules without the limits: raises the same 401 (or 503 when keys cannot be
+        verified) as ``authorize`` would, and charges no request or token allowance.
+
+        Every API request passes here first, from the header alone (auth_gate.py). With
+        ``checked_later`` (generation: ``authorize`` runs after tokenization and checks the
+        key again in Redis, atomically) a key this gateway knows passes without a Redis round
+        trip; a missing key is refused without one whenever keys are known to be required."""
         self._ensure_task()
         token = parse_bearer(authorization_header)
         if token is not None and self._static is not None and hmac.compare_digest(token.encode(), self._static):
@@ -216,7 +225,12 @@ class Admission:
             if self._static is not None:
                 raise _unauthorized(token)
             return
+        if token is None and (self._auth_enabled or (self._auth_enabled is False and self._static is not None)):
+            raise _unauthorized(token)
         key_hash = keystore.hash_key(token or "")
+        if checked_later and (self._auth_enabled is False and self._static is None
+                              or self._auth_enabled and key_hash in self._cache):
+            return  # open, or a key known here: authorize's script decides, in the same round trip
         for _ in range(2):  # asked again once, as in authorize, when only Redis can decide
             if self._state == "degraded":
                 break

@@ -23,7 +23,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -59,6 +59,10 @@ GATEWAY_PROCESS = "gateway"
 ComponentSource = Callable[[], Iterable[tuple[str, bool]]]
 # Finish reasons shown as zero series from the start (others appear when they occur).
 FINISH_REASONS = ("stop", "length", "abort")
+# Why an authentication failed (auth_gate.py, ops_auth.py); 'throttled': answered 429 instead.
+AUTH_FAILURE_REASONS = ("missing_key", "invalid_key", "missing_admin_key", "not_admin", "throttled")
+AUTH_FLOOD_EVENT_S = 10.0  # at most one "failed authentications" event on the dashboard this often
+AUTH_FLOOD_MIN = 10  # failures since the last such event that make one
 
 
 @dataclass
@@ -78,6 +82,15 @@ class RequestRecord:
     timings: RequestTimings | None  # the scheduler's view (queue, prefill, decode)
     max_tokens: int | None = None  # the request's max_tokens, when it set one
     n: int = 1  # choices asked for
+
+
+@dataclass
+class _AuthFlood:
+    """Failed authentications since the last flood event on the dashboard."""
+
+    since: float | None = None
+    count: int = 0
+    addresses: set[str] = field(default_factory=set)
 
 
 class GatewayMetrics:
@@ -106,6 +119,7 @@ class GatewayMetrics:
         self._components: ComponentSource = lambda: [(GATEWAY_PROCESS, True)]
         # notable gateway events for the dashboard (time.time(), text), newest last
         self.events: collections.deque[tuple[float, str]] = collections.deque(maxlen=20)
+        self._auth_flood = _AuthFlood()  # failures since the last flood event
         self._declare_engine()
         self._declare_requests(max_model_len)
         self.registry.register(ScrapeTimeCollector(
@@ -202,6 +216,11 @@ class GatewayMetrics:
             self.success.inc(0, finished_reason=reason)
         self.rejected = self._fan(c, "request_rejected", "Requests refused by the gateway, by reason.",
                                   ("reason", "status"), vllm=False)
+        self.auth_failures = self._fan(c, "auth_failures", "Failed authentications (API and operator pages), "
+                                       "by reason; 'throttled': the address was answered 429.", ("reason",),
+                                       vllm=False)
+        for reason in AUTH_FAILURE_REASONS:
+            self.auth_failures.inc(0, reason=reason)
         self.resumed = self._fan(c, "requests_resumed", "Requests re-submitted to a new scheduler after "
                                  "losing theirs, by cause.", ("cause",), vllm=False)
         for cause in RESUME_CAUSES:
@@ -383,6 +402,26 @@ class GatewayMetrics:
         """The engine client re-submitted ``num_requests`` held requests to a new scheduler."""
         self.resumed.inc(num_requests, cause=cause)
         self.events.append((time.time(), f"scheduler lost ({cause}): {num_requests} in-flight request(s) resumed"))
+
+    def on_auth_failure(self, reason: str, address: str, blocked_s: float, block_started: bool,
+                        limit: int) -> None:
+        """A failed authentication: counted; the dashboard's events show throttled addresses and,
+        at most every ``AUTH_FLOOD_EVENT_S``, a burst of failures with how many addresses sent it."""
+        self.auth_failures.inc(1, reason=reason)
+        now = time.time()
+        if block_started:
+            self.events.append((now, f"{address} answered 429 for {blocked_s:.0f} s: more than {limit} "
+                                     f"failed authentications in a minute"))
+        flood = self._auth_flood
+        if flood.since is None or (flood.count < AUTH_FLOOD_MIN and now - flood.since >= 60.0):
+            flood.since, flood.count, flood.addresses = now, 0, set()
+        flood.count += 1
+        if len(flood.addresses) < 10_000:  # bounded however many addresses try
+            flood.addresses.add(address)
+        if flood.count >= AUTH_FLOOD_MIN and now - flood.since >= AUTH_FLOOD_EVENT_S:
+            self.events.append((now, f"{flood.count} failed authentications in the last {now - flood.since:.0f} s "
+                                     f"from {len(flood.addresses)} address(es)"))
+            flood.since, flood.count, flood.addresses = now, 0, set()
 
     def on_rejected(self, reason: str, status: int) -> None:
         """Count a request the gateway refused (auth, validation, rate limit, queue full...)."""

@@ -33,7 +33,7 @@ DRAIN_MAX_BYTES = 64 << 20  # read at most this much of a refused body before cl
 DRAIN_MAX_S = 10.0
 
 
-async def _send_error(send: Send, err: APIError) -> None:
+async def send_error(send: Send, err: APIError) -> None:
     body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (err.headers or {}).items()]
@@ -72,7 +72,7 @@ class RequestGuard:
         headers: dict[bytes, bytes] = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await _drain(receive)
+            await drain(receive)
             await self._refuse(scope, send, _too_large(self.max_body_bytes, int(length)))
             return
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
@@ -80,7 +80,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         if ctype != b"application/json":
-            await _drain(receive)
+            await drain(receive)
             shown = ctype.decode("latin-1") or "none"
             await self._refuse(scope, send, APIError(
                 400, f"the request body must be JSON sent with 'Content-Type: application/json' (got {shown})",
@@ -91,7 +91,7 @@ class RequestGuard:
             check_body(raw, self.limits())
         except _BodyError as e:
             if e.drain:
-                await _drain(receive)
+                await drain(receive)
             await self._refuse(scope, send, e.err)
             return
         except APIError as e:
@@ -104,7 +104,7 @@ class RequestGuard:
     async def _refuse(self, scope: Scope, send: Send, err: APIError) -> None:
         if self.on_refused is not None:
             self.on_refused(scope["path"], err)
-        await _send_error(send, err)
+        await send_error(send, err)
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -128,7 +128,7 @@ class RequestGuard:
                 return b"".join(chunks)
 
 
-async def _drain(receive: Receive) -> None:
+async def drain(receive: Receive) -> None:
     """Read and discard the rest of a refused body (bounded), so the answer reaches the client."""
     drained = 0
     deadline = time.monotonic() + DRAIN_MAX_S

@@ -15,6 +15,8 @@ browser prompts once and then sends it with the page, its scripts and its event
 stream. No credential: 401 with ``WWW-Authenticate``; a credential that is not an
 admin one (an ordinary API key included): 403. ``--allow-unauthenticated-public``,
 the explicit opt-out of authentication on a public bind, leaves these pages open too.
+Each refusal counts as a failed authentication of the client's address, as the API's
+do (auth_failures.py: ``ferry:auth_failures_total``, and 429 once an address keeps failing).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import base64
 import binascii
 import hmac
 import ipaddress
-import json
 from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.gateway.auth_failures import AuthFailures
+from services.gateway.errors import APIError
 
 OPS_PATHS = ("/metrics", "/v1/config")
 OPS_PREFIXES = ("/dashboard",)
@@ -72,10 +76,12 @@ def static_admin_check(admin_key: str) -> Callable[[str], bool]:
 class OpsAuth:
     """ASGI middleware: an admin credential for the operator's pages (see the module doc)."""
 
-    def __init__(self, app: ASGIApp, protect: bool, is_admin: Callable[[str], Awaitable[bool]]) -> None:
+    def __init__(self, app: ASGIApp, protect: bool, is_admin: Callable[[str], Awaitable[bool]],
+                 failures: AuthFailures) -> None:
         self.app = app
         self.protect = protect
         self.is_admin = is_admin
+        self.failures = failures
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.protect or scope["type"] != "http" or not is_ops_path(scope["path"]):
@@ -84,21 +90,14 @@ class OpsAuth:
         headers = dict(scope.get("headers") or [])
         key = presented_key(headers.get(b"authorization", b"").decode("latin-1"))
         if key is None:
-            await _refuse(send, 401, "the operator's pages need an admin key on a public address: send "
-                                     "'Authorization: Bearer <key>' (--admin-key, or a key added with "
-                                     "'ferry keys add NAME --admin')", "missing_admin_key")
+            await self.failures.refuse(scope, send, receive, "missing_admin_key", APIError(
+                401, "the operator's pages need an admin key on a public address: send "
+                "'Authorization: Bearer <key>' (--admin-key, or a key added with 'ferry keys add NAME --admin')",
+                code="missing_admin_key", type_="invalid_request_error",
+                headers={"www-authenticate": f'Basic realm="{REALM}", Bearer'}))
         elif not await self.is_admin(key):
-            await _refuse(send, 403, "this key may not read the operator's pages (it is not an admin key)",
-                          "not_admin")
+            await self.failures.refuse(scope, send, receive, "not_admin", APIError(
+                403, "this key may not read the operator's pages (it is not an admin key)",
+                code="not_admin", type_="invalid_request_error"))
         else:
             await self.app(scope, receive, send)
-
-
-async def _refuse(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", f'Basic realm="{REALM}", Bearer'.encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

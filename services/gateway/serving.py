@@ -1,12 +1,14 @@
 """POST /v1/completions and /v1/chat/completions: validate, admit, submit, answer.
 
-Order of checks: the body's schema (400), the gateway's own backpressure (429
-``gateway_overloaded`` past ``max_inflight_requests``, 429 ``queue_full`` when
+Order of checks: the key, from the header alone, before the body is read
+(auth_gate.py: 401, or 429 for an address that keeps failing), the body's size and
+structure (middleware.py), the body's schema (400), the gateway's own backpressure
+(429 ``gateway_overloaded`` past ``max_inflight_requests``, 429 ``queue_full`` when
 fresh EngineStats show the scheduler's queue full: both before any tokenizing or
 Redis), the model name (404), the request's meaning against the model (400:
-vocabulary, context length), admission (401 bad key, 429 rate limits), the
-engine (503 when the scheduler is down; 429 / 503 / 400 when the scheduler
-refuses).
+vocabulary, context length), the key's limits (429; the key is checked again in the
+same Redis script), the engine (503 when the scheduler is down; 429 / 503 / 400
+when the scheduler refuses). docs/operations.md, "Who is checked when".
 
 Every response carries ``timings`` (a vLLM-style extension; on a stream, in the
 usage chunk when ``include_usage`` is set, else in the last chunk): see

@@ -85,7 +85,7 @@ class GatewayServer:
         self.sock = free_socket()
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", proxy_headers=False,
                                 timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
