@@ -228,7 +228,7 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         for admission in decision.admitted:
             req = admission.req
-            if req.status is RequestStatus.RUNNING:  # not preempted again in the same step
+            if req.status is RequestStatus.RUNNING:  # not preempted later in the same step
                 self.running.append(req)
                 req.known_to_worker = True  # the plan sends it in full
 
