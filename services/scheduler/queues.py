@@ -64,7 +64,8 @@ class FCFSQueue:
         return req
 
     def in_order(self) -> Iterator[Request]:
-        """The live requests in the order ``pop`` would return them; removes none."""
+        """The live requests in the order ``pop`` would return them, without popping any
+        (valid until the queue next changes)."""
         self.peek()  # drop dead entries at the head once, as pop would, not on every look
         return (r for r in self._q if r.status is RequestStatus.WAITING)
 
@@ -115,7 +116,8 @@ class PriorityQueue:
         return req
 
     def in_order(self) -> Iterator[Request]:
-        """The live requests in the order ``pop`` would return them; removes none.
+        """The live requests in the order ``pop`` would return them, without popping any
+        (valid until the queue next changes).
 
         Walks the heap from its root through a frontier heap of entries, so reading the
         first k costs O(k log k), not a sort of the whole queue."""

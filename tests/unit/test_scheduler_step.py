@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from services.scheduler.queues import FCFSQueue, PriorityQueue
 from services.scheduler.request import Request, RequestStatus
@@ -86,6 +88,20 @@ def test_in_order_is_pop_order_without_popping(queue_type: type[FCFSQueue] | typ
     seen = list(queue.in_order())
     assert len(queue) == 6 and [r.req_id for r in queue] == [r.req_id for r in seen]
     assert seen == [queue.pop() for _ in range(len(queue))]
+
+
+@given(priorities=st.lists(st.integers(0, 4), max_size=60), dead=st.sets(st.integers(0, 59)),
+       fcfs=st.booleans())
+def test_in_order_is_pop_order_for_any_queue(priorities: list[int], dead: set[int], fcfs: bool) -> None:
+    reqs = _requests(priorities)
+    queue: FCFSQueue | PriorityQueue = FCFSQueue() if fcfs else PriorityQueue()
+    for req in reqs:
+        queue.push(req)
+    for i in sorted(dead & set(range(len(reqs)))):
+        reqs[i].status = RequestStatus.FINISHED
+        queue.discard(reqs[i])
+    seen = [r.req_id for r in queue.in_order()]
+    assert seen == [queue.pop().req_id for _ in range(len(queue))]
 
 
 def test_a_pushed_back_request_goes_first_in_fcfs_and_by_its_key_under_priority() -> None:
