@@ -8,10 +8,11 @@ stated at the top of ``StepBuilder.decide``.
 
 What the builder touches:
 
-- mutates only the ``BlockLedger`` passed to it: it allocates to learn whether the
-  next request fits, and frees a victim's blocks so that the next one can (so the
-  ledger already agrees with the decision it returns); and it extends a request's memo of its own block hashes
-  (``Request.update_block_hashes``) before a prefix-cache lookup;
+- mutates the ``BlockLedger`` passed to it: it allocates to learn whether the next
+  request fits, and frees a victim's blocks so that the next one can (so the ledger
+  already agrees with the decision it returns). Beyond the ledger it only extends a
+  request's memo of its own block hashes (``Request.update_block_hashes``) before a
+  prefix-cache lookup;
 - reads the config, the running list (it works on a copy of its own), the waiting
   queue in policy order (``WaitingQueue.in_order``: nothing is popped or pushed), the
   crash suspects, and the requests' progress;
@@ -87,7 +88,6 @@ class StepBuilder:
         self.grown: list[tuple[Request, int]] = []
         self.admitted: list[Admission] = []
         self.preempted: list[Request] = []
-        self.preempted_ids: set[str] = set()
 
     def decide(self) -> StepDecision:
         """Fill the token budget, preempting when blocks run out. The algorithm, in one place:
@@ -204,7 +204,6 @@ class StepBuilder:
             "num_free_blocks": self.ledger.num_free_blocks,
         })
         self.preempted.append(victim)
-        self.preempted_ids.add(victim.req_id)
         n = self.num_scheduled.pop(victim.req_id, None)
         if n is not None:
             self.budget += n  # give back what it was given earlier in this step
