@@ -27,6 +27,8 @@ class WaitingQueue(Protocol):
     def push_preempted(self, req: Request) -> None: ...
     def peek(self) -> Request | None: ...
     def pop(self) -> Request: ...
+    def in_order(self) -> Iterator[Request]: ...
+    def pushed_back_before(self, preempted: Request, req: Request) -> bool: ...
     def discard(self, req: Request) -> None: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[Request]: ...
@@ -60,6 +62,16 @@ class FCFSQueue:
         self._q.popleft()
         self._live -= 1
         return req
+
+    def in_order(self) -> Iterator[Request]:
+        """The live requests in the order ``pop`` would return them, without popping any
+        (valid until the queue next changes)."""
+        self.peek()  # drop dead entries at the head once, as pop would, not on every look
+        return (r for r in self._q if r.status is RequestStatus.WAITING)
+
+    def pushed_back_before(self, preempted: Request, req: Request) -> bool:
+        """Whether ``preempted``, once pushed back with ``push_preempted``, leaves before ``req``."""
+        return True
 
     def discard(self, req: Request) -> None:
         """Call *after* changing ``req.status`` away from WAITING."""
@@ -102,6 +114,29 @@ class PriorityQueue:
         heapq.heappop(self._heap)
         self._live -= 1
         return req
+
+    def in_order(self) -> Iterator[Request]:
+        """The live requests in the order ``pop`` would return them, without popping any
+        (valid until the queue next changes).
+
+        Walks the heap from its root through a frontier heap of entries, so reading the
+        first k costs O(k log k), not a sort of the whole queue."""
+        self.peek()  # drop dead entries at the top once, as pop would, not on every look
+        heap = self._heap
+        if not heap:
+            return
+        frontier = [(heap[0], 0)]  # (entry, its index): entries are unique by seq, so ties never compare further
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            if entry[2].status is RequestStatus.WAITING:
+                yield entry[2]
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
+
+    def pushed_back_before(self, preempted: Request, req: Request) -> bool:
+        """Whether ``preempted``, once pushed back with ``push_preempted``, leaves before ``req``."""
+        return (preempted.priority, preempted.seq) < (req.priority, req.seq)
 
     def discard(self, req: Request) -> None:
         """Call *after* changing ``req.status`` away from WAITING."""

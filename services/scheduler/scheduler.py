@@ -38,7 +38,7 @@ from .poison import CrashSuspects
 from .queues import DeadlineHeap, make_waiting_queue
 from .request import Request, RequestStatus
 from .stats import SchedulerCounters, build_stats
-from .step import StepBuilder
+from .step import StepBuilder, StepDecision, build_plan
 
 logger = logging.getLogger("ferry.scheduler")
 
@@ -62,7 +62,6 @@ class Scheduler:
         self.clock = clock
         self.block_size = config.block_size
         self.ledger = BlockLedger(num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.priority_policy = config.scheduling_policy == "priority"
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = make_waiting_queue(config.scheduling_policy)
         self.running: list[Request] = []  # admission order
@@ -173,16 +172,18 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def schedule(self) -> StepPlan:
-        """Expire, then fill this step's budget; see ``StepBuilder`` for the algorithm."""
+        """Expire, decide the step (``StepBuilder.decide`` states the algorithm), apply it, plan it."""
         now = self.clock()
         for req in self.deadlines.pop_expired(now):
             waited = now - req.arrival_time
             self._finish(req, "timeout", now, error=f"the request waited {waited:.1f}s in the queue without starting")
-        builder = StepBuilder(self, now)
-        builder.schedule_running()
-        builder.schedule_waiting()
+        decision = StepBuilder(self.config, self.ledger, self.running, self.waiting, self.suspects, now).decide()
+        self._apply(decision)
         self._step_id += 1
-        plan = builder.build_plan(self._step_id, self._finished_for_worker, self._preempted_for_worker)
+        plan = build_plan(
+            decision, self._step_id, self.ledger.block_tables, self.requests,
+            self._finished_for_worker, self._preempted_for_worker,
+        )
         self._finished_for_worker = []
         self._preempted_for_worker = []
         if plan.total_num_scheduled_tokens:
@@ -190,6 +191,46 @@ class Scheduler:
             self._plan_time[plan.step_id] = now
             self._mark_ahead(plan)
         return plan
+
+    def _apply(self, decision: StepDecision) -> None:
+        """Move the step's admitted and preempted requests and set their progress (the
+        ledger already holds their blocks: the builder allocated and freed them)."""
+        now = decision.now
+        block_size = self.block_size
+        counters = self.counters
+        caching = self.ledger.enable_prefix_caching
+        for admission in decision.admitted:
+            req = self._pop_waiting()
+            assert req is admission.req, f"admitted {admission.req} but the queue head was {req}"
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = admission.num_computed_tokens
+            req.num_token_slots = admission.num_blocks * block_size
+            req.num_cached_blocks = admission.num_cached_blocks
+            counters.record_drain(now)
+            if caching:
+                counters.prefix_cache_queries += req.num_tokens
+                counters.prefix_cache_hits += admission.num_computed_tokens
+            if not admission.resumed:
+                req.first_scheduled_time = now
+                req.num_cached_tokens = min(admission.num_computed_tokens, req.num_prompt_tokens)
+        for req, num_new_blocks in decision.grown:
+            req.num_token_slots += num_new_blocks * block_size
+        for victim in decision.preempted:  # its blocks are free: it waits for a full recompute
+            victim.status = RequestStatus.WAITING
+            victim.reset_progress()
+            victim.num_preemptions += 1
+            counters.num_preemptions += 1
+            if victim.known_to_worker:
+                self._preempted_for_worker.append(victim.req_id)
+                victim.known_to_worker = False
+            self._push_waiting(victim, preempted=True)
+        if decision.preempted:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        for admission in decision.admitted:
+            req = admission.req
+            if req.status is RequestStatus.RUNNING:  # not preempted later in the same step
+                self.running.append(req)
+                req.known_to_worker = True  # the plan sends it in full
 
     def _mark_ahead(self, plan: StepPlan) -> None:
         """Count the plan's tokens as in flight until its result is applied, so that a plan
@@ -329,7 +370,7 @@ class Scheduler:
         )
         self._deltas[req.gateway_id].append(delta)
 
-    # ------------------------------------------------------------------ helpers for StepBuilder
+    # ------------------------------------------------------------------ the waiting queue and its token count
 
     def _push_waiting(self, req: Request, preempted: bool = False) -> None:
         if preempted:

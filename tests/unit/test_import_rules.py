@@ -9,7 +9,13 @@ inside a function cannot slip past:
   ``services/worker``;
 - the scheduler holds no tensors and serves no HTTP: no torch, no FastAPI, and
   nothing of the worker or the gateway;
-- the gateway never touches weights: no torch, nothing of the worker.
+- the gateway never touches weights: no torch, nothing of the worker;
+- the scheduling core (the step, the ledger, the queues, the requests, admission,
+  poison and stats) runs without tensors and without sockets: neither it nor any
+  module of ferry it imports, transitively, imports torch or zmq; the service loop
+  around it is what speaks zmq;
+- no import circle inside ``services/scheduler`` (imports under ``TYPE_CHECKING`` and
+  inside functions count: a circle there still ties the two modules together).
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                            "services.engine"),
     "services/gateway": ("torch", "services.worker", "services.scheduler", "services.engine"),
 }
+
+
+SCHEDULING_CORE = ("scheduler", "step", "ledger", "queues", "request", "admission", "poison", "stats")
+NOT_IN_THE_CORE = ("torch", "zmq")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -55,6 +65,81 @@ def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
     return found
+
+
+def module_file(name: str, root: Path = ROOT) -> Path | None:
+    """The file of ``root``'s tree that importing ``name`` runs (the longest prefix that is a
+    module: ``shared.messages.StepPlan`` is ``shared/messages.py``); None outside the tree."""
+    parts = name.split(".")
+    while parts:
+        base = root.joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        parts.pop()
+    return None
+
+
+def reachable_violations(paths: list[Path], forbidden: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """Forbidden imports of ``paths`` and of every module of the tree they import, transitively."""
+    out: list[str] = []
+    seen = set(paths)
+    todo = list(paths)
+    while todo:
+        path = todo.pop()
+        for mod in sorted(imported_modules(path, root)):
+            if any(mod == f or mod.startswith(f + ".") for f in forbidden):
+                out.append(f"{path.relative_to(root)} imports {mod}")
+                continue
+            found = module_file(mod, root)
+            while found is not None and found not in seen:  # the module, then its packages' __init__
+                seen.add(found)
+                todo.append(found)
+                package = found.parent if found.name != "__init__.py" else found.parent.parent
+                init = package / "__init__.py"
+                found = init if init.is_file() and package != root else None
+    return sorted(set(out))
+
+
+def import_cycles(folder: str, root: Path = ROOT) -> list[list[str]]:
+    """The circles among the modules of ``folder`` (strongly connected components of more
+    than one module, or a module importing itself), each as sorted module names."""
+    files = sorted((root / folder).glob("*.py"))
+    graph: dict[Path, set[Path]] = {}
+    for path in files:
+        targets = {module_file(mod, root) for mod in imported_modules(path, root)}
+        graph[path] = {t for t in targets if t is not None and t.parent == path.parent}
+    index: dict[Path, int] = {}
+    low: dict[Path, int] = {}
+    stack: list[Path] = []
+    on_stack: set[Path] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: Path) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                cycles.append(sorted(module_name(p, root) for p in component))
+
+    for path in files:
+        if path not in index:
+            visit(path)
+    return sorted(cycles)
 
 
 def violations(room: str, forbidden: tuple[str, ...], root: Path = ROOT) -> list[str]:
@@ -91,3 +176,36 @@ def test_the_engine_composes_scheduler_and_worker() -> None:
     mods = imported_modules(ROOT / "services" / "engine" / "offline.py")
     assert "services.scheduler.scheduler" in mods
     assert "services.worker.runner" in mods
+
+
+def test_the_scheduling_core_imports_neither_torch_nor_zmq() -> None:
+    core = [ROOT / "services" / "scheduler" / f"{name}.py" for name in SCHEDULING_CORE]
+    assert all(path.is_file() for path in core)
+    assert reachable_violations(core, NOT_IN_THE_CORE) == []
+
+
+def test_the_scheduler_service_loop_is_what_speaks_zmq() -> None:
+    """The rule above means something: the same check flags the service loop."""
+    service = ROOT / "services" / "scheduler" / "service.py"
+    assert "zmq" in imported_modules(service)
+    assert "services/scheduler/service.py imports zmq" in reachable_violations([service], NOT_IN_THE_CORE)
+
+
+def test_no_import_circle_in_the_scheduler() -> None:
+    assert import_cycles("services/scheduler") == []
+
+
+def test_the_checkers_see_type_checking_and_function_level_imports(tmp_path: Path) -> None:
+    """A circle or a socket import hidden behind TYPE_CHECKING or inside a function counts."""
+    pkg = tmp_path / "services" / "scheduler"
+    pkg.mkdir(parents=True)
+    (tmp_path / "services" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from services.scheduler import a\n    return a\n")
+    (pkg / "c.py").write_text("from .d import D\n")
+    (pkg / "d.py").write_text("def g():\n    import zmq\n    return zmq\n")
+    assert import_cycles("services/scheduler", tmp_path) == [["services.scheduler.a", "services.scheduler.b"]]
+    assert reachable_violations([pkg / "c.py"], NOT_IN_THE_CORE, tmp_path) == [
+        "services/scheduler/d.py imports zmq"]
