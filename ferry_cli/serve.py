@@ -181,14 +181,14 @@ class Stack:
         # clients run beside it); libgomp's default spin burns the core a straggling sibling
         # needs (2-thread matmuls 10-30x slower on a shared 2-core machine), while never
         # spinning (OMP_WAIT_POLICY=PASSIVE) cost ~20 % on a quiet one (docs/benchmarks.md,
-        # "OpenMP waits"). The same default as services/worker/service.py's; an operator's own
-        # OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+        # "Threads: ferry's pool and OpenMP waits"). The same default as services/worker/service.py's;
+        # an operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
         wait_policy = {} if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ) else {"GOMP_SPINCOUNT": "10000"}
         # Workers' heap and mappings (weights, KV cache, step buffers) on transparent huge pages
         # where the kernel allows them (THP "madvise" or "always"): glibc advises every chunk it
         # maps. On a 2-vCPU Xeon the served common load ran 3.4 % faster (the decode kernel's
         # scattered block reads and the weight streams miss the TLB less); level on a Zen 4
-        # (docs/benchmarks.md, "On a CPU with AMX"). An operator's own GLIBC_TUNABLES wins.
+        # (docs/benchmarks.md, "Step buffers and page faults"). An operator's own GLIBC_TUNABLES wins.
         huge_pages = {} if "GLIBC_TUNABLES" in os.environ else {"GLIBC_TUNABLES": HUGE_PAGE_TUNABLE}
         worker_env = {**base_env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                       "TOKENIZERS_PARALLELISM": "false", **wait_policy, **huge_pages}

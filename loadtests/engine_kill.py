@@ -12,8 +12,8 @@ scheduler and its workers). ``ferry serve``'s supervisor restarts them.
 
 What happens to the requests (docs/operations.md, "An engine"): those that never
 started on engine 1 go to another engine (``rerouted``); streams that had started
-there are held by their gateway and resumed on the restarted engine (``resumed``,
-issue 15), so clients see a pause, not an error. The board (DIR/board.md) is the
+there are held by their gateway and resumed on the restarted engine
+(``resumed``), so clients see a pause, not an error. The board (DIR/board.md) is the
 usual ``ferry bench`` board with one run per gateway (completed, errors by kind,
 latencies), followed by the kill: when, which processes, when engine 1 was back in
 both gateways, and per gateway the rerouted and resumed counts from ``/metrics``

@@ -16,9 +16,9 @@ dtype, through both of PyTorch's CPU GEMM libraries: ``torch.matmul`` (MKL in fl
 oneDNN in bfloat16) and oneDNN on a weight packed once into its blocked layout
 (``mkldnn._linear_pointwise``, what vLLM's CPU linears call), and in bfloat16 through
 ferry's tiled kernel where this CPU has it (services/worker/backends/csrc/tiled_linear.cpp,
-what ferry's bfloat16 linears call since the nineteenth session: faster than oneDNN at
+what ferry's bfloat16 linears call: faster than oneDNN at
 decode sizes) and, on a CPU with AMX, ferry's AMX tile products over the same tiles (what
-its linears call there past 6 rows; since the twenty-ninth session), and keeps the best of a
+its linears call there), and keeps the best of a
 few trials of the fastest (a limit is what the hardware can do, not what it did beside other
 jobs). The two differ most in float32 on AMD CPUs, where MKL takes a slow
 path: on a Zen 5 EPYC oneDNN ran these shapes at 2.1-2.9x MKL's rate. The limit is then the

@@ -5,7 +5,7 @@
 
 GNU OpenMP reads its environment when torch loads, so each setting is its own
 process. Prints the GFLOP/s of ``[m, k] @ [k, n]`` over a few one-second trials;
-docs/benchmarks.md ("Serving overhead (issue 11)") compares the settings on a
+docs/benchmarks.md ("Threads: ferry's pool and OpenMP waits") compares the settings on a
 shared machine.
 """
 

@@ -70,7 +70,7 @@ SCENARIOS: dict[str, ScenarioOptions] = {
         burst_size=(2, 8),
     ),
 }
-# Fixed lengths for side-by-side runs (issue 11's common load): every request a distinct
+# Fixed lengths for side-by-side runs (the peer boards' common load): every request a distinct
 # 200-token plain prompt and 64 output tokens (with ignore_eos), so two servers do the
 # same arithmetic and a GEMM limit can be computed for the trace.
 SCENARIOS["fixed"] = ScenarioOptions(prompt_tokens=(200, 200), output_tokens=(64, 64), completions=True)

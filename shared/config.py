@@ -88,7 +88,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool = False
     """Plan step N+1 while the workers run step N (vLLM's name): hides the scheduler's
     per-step work behind the forward; a request that stops at N computes one discarded
-    token in N+1. Off by default: see docs/benchmarks.md, "Serving overhead (issue 11)"."""
+    token in N+1. Off by default: see docs/benchmarks.md, "Serving against the offline engine"."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,7 +14,7 @@ and trimming the heap's top above its trim threshold), so the next layer's buffe
 are fresh pages again: ~400,000 page faults (each a zeroed 4 KiB page) per common-load
 run of a SmolLM2 worker, about a second of kernel time on 2 cores.
 ``keep_freed_memory`` sets both thresholds so such chunks stay in the heap for reuse
-(docs/worker.md, "Step buffers and page faults"; measured in docs/benchmarks.md).
+(docs/worker.md and docs/benchmarks.md, "Step buffers and page faults").
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class EngineStats(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     process_peak_rss_bytes: dict[str, int] = {}
     device_memory_peak_bytes: dict[str, int] = {}  # per worker, on a GPU
     workers_ready: list[int] = []
-    # Where step time goes (issue 11), per step since the previous EngineStats: the
+    # Where step time goes, per step since the previous EngineStats: the
     # scheduler's own schedule() + send, the worker's forward and sample, and idle =
     # the rest of the step cycle (result N received -> result N+1 received) in which
     # the worker did not compute: scheduler bookkeeping, transport, waiting for a plan.

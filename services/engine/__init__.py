@@ -14,6 +14,6 @@ from services.worker.service import default_openmp_wait_policy as _default_openm
 # the operator chose a policy): libgomp reads it when torch loads, and every way into the
 # engine (offline.LLM, the benchmarks run with -m) passes through this package first. With
 # libgomp's default spin the common load ran ~5 % slower offline on a 2-core Xeon in bfloat16
-# and ~50 % slower with --quantization int8 (docs/benchmarks.md, "int8 on oneDNN's prepacked
-# kernel"); where torch was loaded before, it changes nothing.
+# and ~50 % slower with --quantization int8 (docs/benchmarks.md, "Threads: ferry's pool and
+# OpenMP waits"); where torch was loaded before, it changes nothing.
 _default_openmp_wait_policy(_os.environ)

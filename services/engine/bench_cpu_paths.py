@@ -1,4 +1,4 @@
-"""Micro-benchmarks behind the CPU forward's choices (docs/benchmarks.md, "CPU worker speed on a quiet machine").
+"""Micro-benchmarks behind the CPU forward's choices (docs/benchmarks.md, "Kernels: decode attention").
 
 Each part prints one line per case and the JSON of all of them goes to ``--out``;
 times are the best of several repeats of wall time (the quiet-machine figure; on a

@@ -1,4 +1,5 @@
-"""Two builds of the CPU attention kernels, side by side in one process (docs/benchmarks.md).
+"""Two builds of the CPU attention kernels, side by side in one process (docs/benchmarks.md,
+"Kernels: decode attention" and "Kernels: prompt attention").
 
 On a shared 2-core machine a kernel's time moves by 10-30 % from one minute to the next,
 more than most kernel changes gain, so two runs of ``bench_cpu_paths`` (one per tree) say

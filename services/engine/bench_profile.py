@@ -1,7 +1,7 @@
 """Where the offline engine's time goes, and the trace's GEMM limit on this machine.
 
 Two measurements that ``bench_offline --profile`` takes in the same run as the
-throughput figure (docs/benchmarks.md, "CPU worker speed"):
+throughput figure (docs/benchmarks.md, "Where a prompt step goes"):
 
 - ``gemm_limit``: ``torch.matmul`` rates for the model's own linear shapes (every
   layer's q/k/v/o and MLP projections at a prefill-sized and a decode-sized M, and

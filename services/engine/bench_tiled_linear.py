@@ -1,4 +1,5 @@
-"""ferry's tiled bfloat16 linear kernel against oneDNN, in one process (docs/benchmarks.md).
+"""ferry's tiled bfloat16 linear kernel against oneDNN, in one process (docs/benchmarks.md,
+"Kernels: linear products").
 
 Two measurements, each alternating both paths round by round on the same data (a shared
 2-core machine moves by 10-30 % from one minute to the next):

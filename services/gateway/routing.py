@@ -22,7 +22,8 @@ The algorithm (``prefix`` policy) is consistent hashing with bounded loads
    engine is that far ahead, then spills to the next engine on the ring (which
    then builds the same prefix: the hot prefix is cached on two engines).
 
-``round_robin`` and ``least_loaded`` exist to measure against (docs/benchmarks.md).
+``round_robin`` and ``least_loaded`` exist to measure against (docs/benchmarks.md, "Data parallel and
+an engine killed under load").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ transformers writes each of these as a chain of small PyTorch ops (RMSNorm: a fl
 copy, pow, mean, add, rsqrt, two multiplies and a copy back; RoPE: four multiplies,
 two negations, two concatenations and two adds; the MLP's ``act_fn(gate) * up``), each
 a pass over memory. On the common load they took ~2.3 s of a 17.5 s run, more than
-the attention (docs/benchmarks.md, "CPU worker speed on a quiet machine"). The kernels in
+the attention (docs/benchmarks.md, "Where a prompt step goes"). The kernels in
 ``backends/csrc/fused_ops.cpp`` do each in one pass and, in bfloat16, round to bfloat16
 where PyTorch stores a bfloat16 tensor:
 
@@ -104,8 +104,8 @@ class FusedSiluMLP(nn.Module):
     activation is applied to the kernel's accumulators before anything is stored
     (``tiled_silu_linear``: the same bits as the product followed by ``silu_and_mul``), so
     the [tokens, 2 x intermediate] product is never written and read back: ~7 % of a
-    2,048-token prompt step on SmolLM2-135M (docs/benchmarks.md, "One bfloat16 linear kernel
-    for every batch").
+    2,048-token prompt step on SmolLM2-135M (docs/benchmarks.md, "Kernels: linear
+    products (AMX, tiled, oneDNN)").
     """
 
     def __init__(self, gate_up: nn.Module, down_proj: nn.Module, intermediate: int, kernels: Any) -> None:

@@ -60,7 +60,7 @@ class KVCache:
         # zeros, not empty: padded gathers read block 0 and masked garbage could be NaN.
         # Written in full here (committed at start-up): a lazily committed cache (calloc'ed
         # pages) took a page fault per 4 KiB on first write, which cost ~5 % of throughput
-        # on the common load (docs/benchmarks.md, "CPU worker speed") for little resident
+        # on the common load (docs/benchmarks.md, "Step buffers and page faults") for little resident
         # memory saved once the cache has cycled.
         caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

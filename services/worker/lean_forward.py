@@ -5,8 +5,8 @@ layer's ``forward`` with their decorators (output capture, kwarg deprecation, co
 defaults), a causal-mask builder, keyword dispatch to the attention interface and
 module hooks. On a 30-layer model that Python costs ~7-10 ms per step on this CPU
 (torch.profiler, one decode in bfloat16: 30 ms per step of which the ops account for
-~20), a third of a small-batch decode step (docs/benchmarks.md, "CPU worker speed,
-third session").
+~20), a third of a small-batch decode step (docs/benchmarks.md, "A decode step against
+memory bandwidth").
 
 This module runs the same step without it, in one of two ways:
 
@@ -22,7 +22,7 @@ This module runs the same step without it, in one of two ways:
   kernel, runs every layer in one C++ call (``decode_layers``, csrc/decode_layers.cpp):
   the same kernels in the same order, without ~12 Python-to-C++ calls and their glue per
   layer (14-16 % of a decode step's body at 1-8 requests, 5 % at 64; docs/benchmarks.md,
-  "A decode step's layers in one call"). ``FERRY_CPU_DECODE_LAYERS=0`` keeps the loop.
+  "A decode step against memory bandwidth"). ``FERRY_CPU_DECODE_LAYERS=0`` keeps the loop.
 
 Either way the hidden states and the keys and values written are bit-identical to the
 model's own forward in that state (tests/unit/test_lean_forward.py). Only for the

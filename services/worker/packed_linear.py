@@ -7,7 +7,7 @@ and multiply against that on every call (``mkldnn._linear_pointwise``): the same
 products, in the same order for bfloat16 (bit-identical outputs, checked at start-up and
 in tests/unit/test_packed_linear.py), and 1.05-1.1x faster at prefill sizes, 1.2-1.4x at
 a decode batch of 64 and 1.3-2.9x for a single decode on this model's shapes
-(docs/benchmarks.md, "CPU worker speed"). PyTorch's inductor does the same when it
+(docs/benchmarks.md, "Kernels: linear products"). PyTorch's inductor does the same when it
 freezes a model for the CPU.
 
 Projections that read the same input are also fused into one product
@@ -24,13 +24,13 @@ bfloat16 products go to a kernel of ferry's own where the CPU has AVX512-BF16 an
 concurrency, where a product is a read of its weight: oneDNN read it at 13.5-20 GB/s, this
 kernel at ~32), blocks of 8 rows x 48 outputs past that. On the Zen 4 EPYC it ran the model's
 products 1.5-1.8x as fast as oneDNN's packed kernels at 1-8 rows, 1.13x at 64 and level from
-256 to 2,048 rows (docs/benchmarks.md, "One bfloat16 linear kernel for every batch"), so there
+256 to 2,048 rows (docs/benchmarks.md, "Kernels: linear products"), so there
 it takes every product and oneDNN's copy of the weight is dropped. On a CPU with AMX the AMX
 tile products over the same tiles (``amx_linear``, csrc/tiled_linear.cpp) take a decode step's
 rows from one up to ``amx_linear_rows()`` and, for the projections ``amx_prompt`` names (all
 four by default), a prompt step's: on the 2-vCPU AMX Xeon they ran the model's 30 layers
 1.3-1.6x as fast as the tiled kernel at 1-6 rows, which it kept until then (docs/benchmarks.md,
-"AMX products from one row"). The tiled kernel keeps 1-6 rows (``SMALL_BATCH_ROWS``) there only
+"Kernels: linear products"). The tiled kernel keeps 1-6 rows (``SMALL_BATCH_ROWS``) there only
 for shapes the AMX products do not take (N or K not a multiple of 32) or with
 ``FERRY_CPU_AMX_LINEAR=0``. Both sum in another order than oneDNN, so their outputs are within
 one bfloat16 step of oneDNN's, not bit for bit; each sums a row the same way at any row count,
@@ -43,7 +43,7 @@ float32 too: there oneDNN's kernels sum in another order than MKL's (differences
 relative on these shapes), so logits are no longer bit-identical to transformers', but
 greedy outputs stayed token-identical (SmolLM2-135M: 50 of 50 chat prompts x 64 tokens;
 the token-exact tests pass) and the common load ran 1.2x faster, on AVX2 too
-(docs/benchmarks.md, "float32 as fast as bfloat16's path"). ``FERRY_CPU_FLOAT32_EXACT=1``
+(docs/benchmarks.md, "dtype on the CPU"). ``FERRY_CPU_FLOAT32_EXACT=1``
 keeps float32 on ``F.linear`` (and on transformers' own element-wise ops and SDPA for
 prompts: ``float32_exact``); ``FERRY_CPU_PACKED_LINEAR=0`` turns packing off.
 """
@@ -64,7 +64,7 @@ log = logging.getLogger("ferry.worker.packed_linear")
 BATCH_HINT = 64  # the M oneDNN picks its layout for; measured best or near-best from M=1 to 2048
 SMALL_BATCH_ROWS = 6  # the tiled kernel's rows beside AMX or oneDNN products ("small"; AMX shapes it cannot take)
 # With AMX: the tiled kernel's rows, the AMX tile products past them (0: they take every
-# decode step from one row; measured, docs/benchmarks.md "AMX products from one row")
+# decode step from one row; measured, docs/benchmarks.md "Kernels: linear products")
 AMX_TILED_ROWS = 0
 ALL_ROWS = 1 << 62  # the tiled kernel takes every product
 
@@ -405,8 +405,8 @@ PROJECTION_KINDS = {"q_proj/k_proj/v_proj": "qkv", "o_proj": "o", "gate_proj/up_
 # left). Since each pair's epilogue runs under the next pair's products and the rows stream past
 # the tiles a thread keeps in L1 (tiled_linear.cpp), the offline common load's prompt steps ran
 # level with q/k/v and o_proj on oneDNN or on the AMX products, and single 140-264-token prompts
-# level or faster on the AMX products (docs/benchmarks.md, "The epilogue under the next
-# products"); before that q/k/v (0.77-0.93x oneDNN) and o_proj kept oneDNN's copies.
+# level or faster on the AMX products (docs/benchmarks.md, "Kernels: linear
+# products (AMX, tiled, oneDNN)"); before that q/k/v (0.77-0.93x oneDNN) and o_proj kept oneDNN's copies.
 AMX_PROMPT_DEFAULT = frozenset(PROJECTION_KINDS.values())
 
 

@@ -8,7 +8,7 @@ AMX-INT8 or VNNI kernels) where this torch has it, else ``torch._int_mm``.
   token with large activations does not crush every other token's resolution. This is
   what vLLM's dynamic per-token int8 does; PyTorch's ``quantize_dynamic`` (this module's
   first version) takes one scale for the whole step, which cost SmolLM2-135M 3.2x in
-  perplexity (docs/benchmarks.md, "int8 quality").
+  perplexity (docs/benchmarks.md, "int8 weights").
 - The products accumulate in int32 and are scaled back to the model's dtype (bfloat16
   or float32), so norms, attention, the KV cache and the LM head stay as they are. The
   LM head is left unquantized: on SmolLM2 it adds as much perplexity as the whole body.
@@ -17,7 +17,7 @@ Speed: int8 products run at about twice the bfloat16 rate on a CPU with AVX512-V
 (~860 against ~430 GOP/s on this model's shapes on 2 cores), and read half the bytes. On
 a Xeon with AMX, oneDNN's prepacked kernel ran them 1.5-3x faster than ``torch._int_mm`` at
 512-2,048 rows (3.5-4.9 TOPS on 2 cores) and took the common load from 692 to ~860 output
-tok/s; ferry's bfloat16 AMX path is still faster there (docs/benchmarks.md).
+tok/s; ferry's bfloat16 AMX path is still faster there (docs/benchmarks.md, "int8 weights").
 Quantizing each step's activations and scaling the int32 results back are two passes
 over memory; the CPU kernels' ``quant_rows``/``dequant_rows`` do each in one pass
 (bit-identical to the PyTorch ops below, which are the fallback without a compiler).
@@ -169,7 +169,7 @@ def onednn_int8() -> bool:
     ``FERRY_CPU_INT8_ONEDNN=0``. There it ran the model's shapes 1.5-3x faster than
     torch._int_mm at 512-2,048 rows and the gate/up product 1.8x at 64; without AMX
     (``ONEDNN_MAX_CPU_ISA=AVX2``) it was 2-3x slower at 64 rows, and under AVX512_CORE_VNNI
-    one call took half a second (docs/benchmarks.md, "int8 on oneDNN's prepacked kernel")."""
+    one call took half a second (docs/benchmarks.md, "int8 weights")."""
     if os.environ.get("FERRY_CPU_INT8_ONEDNN", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     from .backends.cpu_paged import cpu_flag
@@ -238,7 +238,7 @@ def calibrate(model: nn.Module, body: nn.Module, vocab_size: int, tokens: int = 
 
     Random ids rather than a text: the outlier channels SmoothQuant tames are the model's
     own (they appear whatever the input), and on SmolLM2-135M random ids gave the lower
-    perplexity of the two (docs/benchmarks.md, "int8 quality"). The pass runs on PyTorch's
+    perplexity of the two (docs/benchmarks.md, "int8 weights"). The pass runs on PyTorch's
     SDPA attention, outside ferry's paged step.
     """
     stats: dict[nn.Module, torch.Tensor] = {}

@@ -119,7 +119,7 @@ class ModelRunner:
         # CPU, bfloat16 and float32: the decoder's linear layers and the LM head multiply against
         # oneDNN-packed weights (packed_linear.py). A head tied to the embedding gets its own
         # packed copy (SmolLM2: 57 MB more) for 1.3x at a decode batch of 64 and 1.8x for one
-        # decode (docs/benchmarks.md, "CPU worker speed, third session"); where that copy is the
+        # decode (docs/benchmarks.md, "Kernels: linear products"); where that copy is the
         # tiled kernel's, the embedding reads its rows from it and drops the plain weight.
         if config.quantization == "int8":
             # W8A8 (quantize.py): q/k/v and gate/up fused first, so each group is one int8 product

@@ -40,7 +40,7 @@ common load's every step, greedy or sampled) skips the float32 copy: greedy rows
 argmax straight from the LM head's logits through ``argmax_rows`` (the CPU kernels'
 ``argmax_rows``: torch.argmax's answer, ties and NaNs included, without its scalar
 reduction) and random rows go to the kernels as they are (they widen bfloat16 themselves).
-Both measured in docs/benchmarks.md, "Sampling on the CPU".
+Both measured in docs/benchmarks.md, "Sampling".
 """
 
 from __future__ import annotations

@@ -189,8 +189,8 @@ def default_openmp_wait_policy(environ: dict[str, str] | os._Environ[str]) -> No
     throughput, because every one of a step's ~1,000 parallel regions then woke its
     threads through the kernel. ``GOMP_SPINCOUNT=10000`` keeps the threads awake across
     the microseconds between one op and the next and asleep between steps
-    (docs/benchmarks.md, "OpenMP waits"). libgomp reads this when torch loads, so it is
-    set before that.
+    (docs/benchmarks.md, "Threads: ferry's pool and OpenMP waits"). libgomp reads this when
+    torch loads, so it is set before that.
     """
     if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
         environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT

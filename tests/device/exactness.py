@@ -20,7 +20,7 @@ from tests.device.common import SMOLLM2_135M, TINY, Options, SkipStage, Stage, b
 
 PROMPT_LENS = (5, 17, 33, 64, 100, 129)
 MAX_TOKENS = 32
-# Pass thresholds for bf16 against the float32 model (documented in docs/benchmarks.md):
+# Pass thresholds for bf16 against the float32 model (docs/benchmarks.md, "GPU device check"):
 # absolute, or relative to transformers' own bf16 (the first GPU run, 2026-12-04, found
 # bf16 moving this random-weight model far more than 0.15: the control tells the kernels'
 # error from the precision's).

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# Not recursive: docs/journal/ (dated logs whose commands are kept as they were run) and
+# docs/experiments/ (experiments' decision records) are not checked.
 DOC_FILES = ("README.md", "docs/*.md")
 MARKER = re.compile(r"^<!--\s*(doctest(?::\s*(?P<kind>[\w-]+)(?:\s*\((?P<why>.*)\))?)?"
                     r"|not-runnable:\s*(?P<reason>.+?))\s*-->\s*$")

@@ -1,4 +1,4 @@
-"""The sharp edges a new operator hit (issue 18), on one real ``ferry serve`` of the tiny model.
+"""The sharp edges a new operator hit, on one real ``ferry serve`` of the tiny model.
 
 A KV cache smaller than the model's context (max_model_len capped at start-up), the
 in-flight bound met exactly by closed-loop streaming clients, typed /v1/config with

@@ -1,6 +1,6 @@
 """``cpu_paged``: decodes read their keys and values in place, by a small C++ loop.
 
-Measured on the common load (docs/benchmarks.md, "CPU worker speed"): in the
+Measured on the common load (docs/benchmarks.md, "Kernels: decode attention"): in the
 reference backend a decode step copies every block of every request out of the cache
 in every layer (``index_select``) and then runs SDPA over the copy, so the cache is
 read twice and written once, and SDPA's kernel is slow on the gathered (strided)
@@ -145,8 +145,8 @@ def bf16_decode_through_fma() -> bool:
     On the Xeons with AMX (``amx_bf16``) ``vdpbf16ps`` issues one per two cycles where FMAs
     issue two per cycle (16 multiply-adds a cycle against 32), and the decode kernel, which
     widens each bfloat16 pair in one instruction per element, took 0.95x the time of its dot
-    products there reading from memory, 0.83x in cache (docs/benchmarks.md, "FMA decodes on a
-    CPU with AMX"). The
+    products there reading from memory, 0.83x in cache (docs/benchmarks.md, "Kernels:
+    decode attention"). The
     Zen 4 issues ``vdpbf16ps`` at the FMA's rate and keeps them. A float8 cache keeps its dot
     products everywhere (its FMA path converts each byte: 1.7x their time on the Xeon).
     ``FERRY_CPU_BF16_DOT=1`` forces dot products, ``0`` FMAs for everything.
@@ -245,7 +245,7 @@ class CpuPagedBackend(ReferenceBackend):
         return out
 
 
-# auto on the CPU: the fastest measured there (docs/benchmarks.md, "CPU worker speed"); without a compiler auto takes the reference.
+# auto on the CPU: the fastest measured there (docs/benchmarks.md, "Kernels: decode attention"); without a compiler auto takes the reference.
 register_backend("cpu_paged", CpuPagedBackend, ("cpu",), auto_rank=0)
 
 

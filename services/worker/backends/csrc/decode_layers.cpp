@@ -7,7 +7,7 @@
 // At batch 1 a SmolLM2-135M decode step spent ~2 ms of its ~8 in the small per-layer calls
 // (split + rotary 16 us a layer, the backend's attention call 27 us, each norm ~8 us) and the
 // framework between them, against ~4.6 ms reading the weights (docs/benchmarks.md, "A decode
-// step's layers in one call").
+// step against memory bandwidth").
 //
 // x [T, hidden] (the embedded tokens), cos/sin [T, head_dim]; per layer, in `weights`, 10
 // tensors: input norm, post-attention norm, q/k/v tiles and bias, o_proj tiles and bias,

@@ -131,8 +131,8 @@ struct NextRows {
 // each row whole, front to back. The kernel's own loads walk a sixteen-token chunk one KV
 // head at a time (a stride of one row) and the value pass sweeps the context once per KV
 // head, orders the hardware prefetcher does not follow; the same bytes read row by row in
-// order come from memory in about two thirds of the time (docs/benchmarks.md, "Decode rows
-// requested in order"). Used for 16-bit caches; a float8 cache's kernel is bound by its
+// order come from memory in about two thirds of the time (docs/benchmarks.md, "Kernels:
+// decode attention"). Used for 16-bit caches; a float8 cache's kernel is bound by its
 // conversions, and the NextRows above is the cheaper there.
 struct RowStream {
   const char *k, *v;
@@ -496,7 +496,7 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
   // into the values' first rows, the values' into the next item's first keys. On the common load's
   // decode shape (bench_kernels_ab --parts decode --dot rule, fresh layout) this took 15 %
   // less time per step than RowStream's whole rows in order a chunk ahead, 5 % less with
-  // every row in cache (docs/benchmarks.md, "Decode rows requested slice by slice").
+  // every row in cache (docs/benchmarks.md, "Kernels: decode attention").
   constexpr int64_t SLICE_AHEAD = 32;
   for (int64_t c0 = 0; c0 < len; c0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - c0);
@@ -542,7 +542,7 @@ static inline void decode_group(const scalar_t* q, const cache_t* kc, const cach
         // each in the two 256-bit halves), widened once for the group's G query heads; the
         // eight pair sums fold into sixteen scores in hsum8x2's 21 operations. On a Xeon
         // (AMX, AVX512-BF16) vdpbf16ps issues one per two cycles where FMAs issue two per
-        // cycle: this pass took half the time of the dot products' (docs/benchmarks.md).
+        // cycle: this pass took half the time of the dot products' (docs/benchmarks.md, "Kernels: decode attention").
         __m512 acc[G][8];
         for (int64_t g = 0; g < G; ++g)
           for (int64_t p = 0; p < 8; ++p) acc[g][p] = _mm512_setzero_ps();
@@ -787,7 +787,7 @@ static void decode_kernel_avx512(const scalar_t* q, const scalar_t* kc, const sc
 // with FMAs, eight lanes at a time. One pass over the context, C tokens at a time, with an
 // online softmax (as flash decoding): the chunk's keys scored, then its values accumulated.
 // Each token's row (its KV heads' keys or values, one contiguous stretch) is read front to
-// back once: measured on the common load's decode shape (docs/benchmarks.md), walking the
+// back once: measured on the common load's decode shape (docs/benchmarks.md, "Kernels: decode attention"), walking the
 // rows head by head with the accumulators in registers took 1.5x as long from memory, though
 // less compute, because the strided walk kept the hardware prefetcher from streaming.
 struct Scratch8 {
@@ -988,11 +988,11 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
       bool done = false;
       auto grouped = [&](auto nv, auto g) {
         constexpr int64_t NV = decltype(nv)::value, G = decltype(g)::value;
-        // float32 caches too: the fifth session's grouped kernel ran slower than whole rows per
+        // float32 caches too: the grouped kernel of 2026-12-01 ran slower than whole rows per
         // pass on a Zen 4 EPYC's fresh layout (40 against 26-34 ms a step), the kernel as it is
         // now (its next-item requests) took 0.83-0.91x decode_kernel_avx512's time on a Xeon
         // with AMX on every layout, and 0.88x of the decode kernel's time in the offline float32
-        // common load (docs/benchmarks.md, "Prompt attention without its allocations").
+        // common load (docs/benchmarks.md, "Kernels: decode attention").
         if (done || head_dim != NV * 16 || group != G) return;
         done = true;
         auto go = [&](auto kernel) {
@@ -1132,7 +1132,7 @@ static inline void rows_to_e4m3fn(const scalar_t* x, uint8_t* y, int64_t n) {
 // plus a copy took two, and its dispatch ~50 us per decode layer). Caches [blocks,
 // block_size, KH, D] contiguous, slots [T] int64 (block * block_size + offset; negative: a
 // padded row, skipped). One call for both caches and every token, where two index_copy_
-// calls and their views cost ~80 us per layer in Python and dispatch (docs/benchmarks.md).
+// calls and their views cost ~80 us per layer in Python and dispatch (docs/benchmarks.md, "Where a prompt step goes").
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1,

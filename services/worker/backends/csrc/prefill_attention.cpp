@@ -3,7 +3,7 @@
 // A step's multi-token chunks that start at position 0 attend only to their own keys,
 // which are in the step's own key/value tensors: no cache read. PyTorch's CPU flash
 // kernel did this at ~55 GFLOP/s on 200-token prompts with 64-wide heads (its tiles are
-// made for long sequences; docs/benchmarks.md "CPU worker speed on a quiet machine").
+// made for long sequences; docs/benchmarks.md "Kernels: prompt attention").
 // Here one work item is (chunk, KV head, 16 query tokens): the item's query rows (16
 // tokens x the KV head's query heads, e.g. 48 rows for SmolLM2's 3) are scored against
 // 32 keys at a time from a transposed float32 copy of the key tile (4 rows x 32 keys of
@@ -164,7 +164,7 @@ struct PrefillScratch {
 // vp, zero past the context. widen(src, dst) writes a cache row's D elements to dst as
 // float32 (dst 64-byte aligned: each ISA's own vector loads). Each query tile did this for
 // itself before (a 200-token prompt's keys ~6.5 times over): 0.80x the AVX-512 kernel's
-// time, 0.87-0.90x the AVX2 one's (docs/benchmarks.md).
+// time, 0.87-0.90x the AVX2 one's (docs/benchmarks.md, "Kernels: prompt attention").
 template <typename cache_t, int64_t D, int64_t BK>
 struct FloatPanels {
   static constexpr int64_t TILE = D * BK;  // floats per key (or value) tile
@@ -427,8 +427,8 @@ static inline uint16_t bf16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(st
 // each row's softmax against a reference kept from span to span (below), then P.V four rows a
 // pass, each block only over the keys its last row sees. With AMX tiles the first two are one
 // pass: a sixteen-row block's softmax runs one 32-key tile behind its Q.K^T. Against one
-// 32-key tile at a time through all three steps (the twenty-second session's kernel): 0.85x
-// the time on ten 200-token prompts (docs/benchmarks.md, "Prompt attention in 512-key passes").
+// 32-key tile at a time through all three steps (the kernel before): 0.85x
+// the time on ten 200-token prompts (docs/benchmarks.md, "Kernels: prompt attention").
 template <typename cache_t, int64_t NV, bool AMX>
 void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, const ContextRows<cache_t>& rows,
                          c10::BFloat16* out, const int64_t* spans, int64_t cols, int64_t num_spans, int64_t num_heads,
@@ -546,7 +546,7 @@ void prefill_kernel_bf16(const c10::BFloat16* q, int64_t q_st, int64_t q_sh, con
         // under that is caught too: correct, and rare); a row past it is done again against its
         // true max. So a span needs no pass over its scores for their max nor O a rescale. The
         // softmax was half of this kernel's time on 2,000-token prompts, its max pass a fifth of
-        // that (perf; docs/benchmarks.md, "Long prompts").
+        // that (perf; docs/benchmarks.md, "Kernels: prompt attention").
         const float c = scale * 1.4426950408889634f;
         const __m512 cv = _mm512_set1_ps(c);
         constexpr float HEADROOM = 0x1p64f;  // a span's row sum past which the row is redone

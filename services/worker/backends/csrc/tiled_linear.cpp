@@ -16,8 +16,8 @@
 //   row block against a group while its tiles are in L1/L2; a thread done early takes the
 //   others' last groups (work_split.h, parallel_stealing). On the Zen 4 EPYC this ran the
 //   model's products 1.5x as fast as oneDNN's packed kernels at 4-8 rows, 1.13x at 64 and
-//   level from 256 to 2,048 rows, at the instruction's throughput (docs/benchmarks.md, "One
-//   bfloat16 linear kernel for every batch").
+//   level from 256 to 2,048 rows, at the instruction's throughput (docs/benchmarks.md, "Kernels:
+//   linear products (AMX, tiled, oneDNN)").
 //
 // float32 sums from the bias, k-pairs in order, one rounding to bfloat16 at the end: every
 // output is the same sequence of instructions whatever the number of rows, so a row's result
@@ -48,7 +48,7 @@ constexpr int64_t BLOCK_TILES = 3;
 // rows a group's tiles come from memory once and serve 2-8 row blocks, and the first block
 // waited on memory; with the next group's lines already on their way the products ran 3-6 %
 // faster (LM head 5 %), level at 1-2 rows (the streamed path, no blocks) and from 256 rows
-// (docs/benchmarks.md, "Work taken from a thread that lost its core"). tiled_prefetch(false)
+// (docs/benchmarks.md, "Kernels: linear products (AMX, tiled, oneDNN)"). tiled_prefetch(false)
 // turns it off for A/B runs (bench_tiled_linear --parts prefetch).
 struct Prefetch {
   const char* p = nullptr;
@@ -345,7 +345,7 @@ inline bool enabled = true;  // tiled_amx sets it
 // The most rows the decode path (run's group split) takes; amx_linear_rows() reports it, the
 // bound decode_layers keeps its AMX products to. Against oneDNN's packed products on the
 // model's 30 layers: 0.77-0.78x the time at 7-16 rows, 0.59x at 32, 0.88-0.89x at 33-48, 0.74x
-// at 64, 0.84x at 128 (docs/benchmarks.md). More rows take run_rows (a prompt step's; the
+// at 64, 0.84x at 128 (docs/benchmarks.md, "Kernels: linear products"). More rows take run_rows (a prompt step's; the
 // projections that send them here are chosen in packed_linear.py).
 constexpr int64_t MAX_ROWS = 128;
 #if FERRY_AMX
@@ -356,7 +356,7 @@ constexpr int64_t MAX_ROWS = 128;
 // pair's k-steps, 2.3. Stores still slow the tile loads that follow them (q/k/v: 2.4-2.6
 // TFLOP/s storing its results, 2.75 storing to an L1 scratch, 3.1 storing nothing); stores in
 // bursts of 4-32 rows instead of ~2 a k-step, or the output lines requested for writing ahead,
-// were no faster. (docs/benchmarks.md, "The epilogue under the next products".)
+// were no faster. (docs/benchmarks.md, "Kernels: linear products (AMX, tiled, oneDNN)".)
 struct NoSide {
   void operator()(int64_t, int64_t) const {}
 };
@@ -368,7 +368,7 @@ struct NoSide {
 // k-step s, so that the group's pairs together request all of them. Without it each group's
 // first pair waited on its tiles from memory, the gated product's two streams (gate and up,
 // 3 MB apart) the worst: gate/up 1.08-1.18x faster at 48-128 rows, the others 1.02-1.10x
-// (docs/benchmarks.md, "ferry's kernels on their own threads").
+// (docs/benchmarks.md, "Kernels: linear products (AMX, tiled, oneDNN)").
 struct Ahead {
   const char* n0 = nullptr;
   const char* n1 = nullptr;

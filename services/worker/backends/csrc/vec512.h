@@ -28,7 +28,7 @@ static inline __m512 load16(const c10::Float8_e4m3fn* p) {
 // vec256.h's exp8: 2^n past float32's normal range (the old clamp at -100 made e^-100, a
 // subnormal) costs a microcode assist on Intel cores per vector holding one, and every masked
 // or padded score (-inf) made one. The decode kernel's softmax took 4x as long on a Xeon
-// (docs/benchmarks.md, "Subnormal exponentials"); only results below 1.7e-38 change.
+// (docs/benchmarks.md, "Kernels: decode attention"); only results below 1.7e-38 change.
 static inline __m512 exp16(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);  // NaN: 0
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));

@@ -64,8 +64,8 @@ static inline void run_and_take(std::vector<StealRange>& ranges, int64_t t, int6
 // done with its own takes the others' items from their backs, one at a time, so that a thread
 // that lost its core to another process (the gateway, the scheduler, the load's client on a
 // 2-core machine) does not leave the other waiting at the end of the kernel, as
-// parallel_stealing (below) does for the linear layers (docs/benchmarks.md, "Attention work
-// taken between threads"). Which thread runs an item changes nothing in what it computes.
+// parallel_stealing (below) does for the linear layers (docs/benchmarks.md, "Threads: ferry's
+// pool and OpenMP waits"). Which thread runs an item changes nothing in what it computes.
 template <typename Cost, typename F>
 static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
@@ -101,7 +101,7 @@ static void parallel_by_cost(int64_t n, Cost&& cost, F&& f) {
 // while (the gateway, the scheduler or the load's client on a 2-core machine), the others
 // finish its range instead of waiting at the end of the product for it: with a neighbour
 // busy 20 % of a core the model's products ran 9-13 % faster than split once, level when
-// quiet (docs/benchmarks.md, "Work taken from a thread that lost its core"). Which thread
+// quiet (docs/benchmarks.md, "Threads: ferry's pool and OpenMP waits"). Which thread
 // runs an item changes nothing in what the item computes.
 template <typename F>
 static void parallel_stealing(int64_t n, F&& f) {
