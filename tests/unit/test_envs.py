@@ -7,7 +7,8 @@
   ``os.getenv(NAME)``, ``environ[NAME]``, ``NAME in environ``, on any mapping. Setting a
   variable (a benchmark choosing a path, ``ferry serve`` passing one to a child) is not a read.
 - Every ``FERRY_*`` name the code, the compose file, the deploy files and the Makefile use
-  is declared, and the C++ sources ``getenv`` only names declared for the kernels.
+  is declared, every switch declared is used, and the C++ sources ``getenv`` only names
+  declared for the kernels.
 - docs/environment.md shows exactly ``render_markdown()``.
 """
 
@@ -22,7 +23,7 @@ import pytest
 from shared import envs
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ("services", "shared", "loadtests", "ferry_cli", "benchmarks")
+TREES = ("services", "shared", "loadtests", "ferry_cli", "benchmarks")  # the shipped tree and the studies
 ALLOWED_READERS = {"shared/envs.py", "shared/config.py"}
 KERNEL_DIRS = ("services/kernels/", "services/worker/backends/")  # the kernels' loader and C++ sources
 NAME = re.compile(r"FERRY_[A-Z0-9_]*[A-Z0-9]")
@@ -55,7 +56,7 @@ def env_reads(source: str) -> list[tuple[int, str]]:
 
 
 def python_files() -> list[Path]:
-    return sorted(p for top in SHIPPED if (ROOT / top).is_dir() for p in (ROOT / top).rglob("*.py"))
+    return sorted(p for top in TREES if (ROOT / top).is_dir() for p in (ROOT / top).rglob("*.py"))
 
 
 def test_the_reader_finds_every_kind_of_read() -> None:
@@ -88,14 +89,20 @@ def test_only_the_table_reads_ferry_variables() -> None:
     assert bad == []
 
 
-def test_cpp_reads_only_the_kernels_switches() -> None:
-    kernel_names = {s.name for s in envs.SWITCHES.values() if s.reader == "kernels"}
+def cpp_reads() -> dict[str, str]:
+    """Each FERRY_* name a C++ source ``getenv``s, with the source."""
     reads = {}
     for top in ("services", "shared"):
         for path in sorted((ROOT / top).rglob("*")):
             if path.suffix in (".h", ".cpp", ".cu", ".cc"):
                 for name in re.findall(r'getenv\(\s*"(FERRY_[A-Z0-9_]+)"', path.read_text()):
                     reads[name] = path.relative_to(ROOT).as_posix()
+    return reads
+
+
+def test_cpp_reads_only_the_kernels_switches() -> None:
+    kernel_names = {s.name for s in envs.SWITCHES.values() if s.reader == "kernels"}
+    reads = cpp_reads()
     assert reads, "no C++ source reads a FERRY_* variable: drop reader='kernels' where no kernel reads it"
     assert set(reads) <= kernel_names, reads
     assert all(p.startswith(KERNEL_DIRS) for p in reads.values()), reads
@@ -104,12 +111,12 @@ def test_cpp_reads_only_the_kernels_switches() -> None:
 def _used_names() -> dict[str, str]:
     """Every FERRY_* name the code, the compose file, the deploy files and the Makefile use,
     with one place it is used."""
-    used: dict[str, str] = {}
+    used = cpp_reads()
     tests = [p for p in sorted((ROOT / "tests").rglob("*.py")) if p != Path(__file__).resolve()]  # (made-up names)
     for path in python_files() + tests + sorted((ROOT / "deploy").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             name = _ferry_name(node)
-            if name and name != "FERRY_FIELD_NAME":
+            if name:
                 used.setdefault(name, path.relative_to(ROOT).as_posix())
     texts = [ROOT / "docker-compose.yml", ROOT / "Makefile", *sorted((ROOT / "deploy").rglob("*.yaml")),
              *sorted((ROOT / "deploy").rglob("*.yml")), *sorted((ROOT / "deploy").rglob("*.sh")),
@@ -128,6 +135,11 @@ def test_every_variable_in_use_is_declared() -> None:
     assert {"FERRY_IMAGE", "FERRY_NUM_WORKERS", "FERRY_CPU_FUSED_OPS", "FERRY_DOCS_SLOW"} <= set(used)
     missing = {name: where for name, where in used.items() if name not in envs.declared_names()}
     assert missing == {}, "declare these in shared/envs.py"
+
+
+def test_every_switch_is_used() -> None:
+    """A switch nothing reads or sets any more leaves the table too."""
+    assert set(envs.SWITCHES) - set(_used_names()) == set()
 
 
 def test_switches_and_config_fields_do_not_overlap() -> None:
