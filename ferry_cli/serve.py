@@ -39,6 +39,7 @@ import msgspec
 
 from ferry_cli.serve_support import log, redis_log_sink, remove_sockets, setup_serve_logs
 from ferry_cli.supervisor import Child, available_cores, exit_description, stop_all, wait_until
+from shared import envs
 from shared.config import (
     GatewayConfig,
     SchedulerConfig,
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runtime-dir", default="", help="folder for ipc sockets ('': a fresh private temp folder)")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0, help="give up if /ready fails this long")
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts of one child per minute before giving up")
-    parser.add_argument("--data-parallel-size", type=int, default=int(os.environ.get("FERRY_DATA_PARALLEL_SIZE", "1")),
+    parser.add_argument("--data-parallel-size", type=int, default=envs.DATA_PARALLEL_SIZE.get(),
                         help="engines (each a scheduler and its workers) behind the gateway, routed by prefix "
                              "affinity and load [env FERRY_DATA_PARALLEL_SIZE; default 1]")
     add_logging_args(parser)

@@ -25,6 +25,8 @@ import os
 
 import psutil
 
+from shared import envs
+
 log = logging.getLogger("ferry.heap")
 
 
@@ -62,7 +64,6 @@ def release_freed_memory() -> int | None:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 MAX_HEAP_CHUNK_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 KEEP_FREE_BYTES = 1 << 30  # free heap top kept before trimming: more than any step's buffers
-KEEP_ENV = "FERRY_MALLOC_KEEP"  # "0": leave glibc's dynamic thresholds as they are
 
 
 def keep_freed_memory(max_chunk_bytes: int = MAX_HEAP_CHUNK_BYTES, keep_bytes: int = KEEP_FREE_BYTES) -> bool:
@@ -74,7 +75,7 @@ def keep_freed_memory(max_chunk_bytes: int = MAX_HEAP_CHUNK_BYTES, keep_bytes: i
     step stays at that step's high-water mark instead of falling back. An explicit
     ``release_freed_memory`` still trims everything free. Off with ``FERRY_MALLOC_KEEP=0``;
     a no-op outside glibc. Never raises."""
-    if os.environ.get(KEEP_ENV, "1") == "0" or not is_glibc():
+    if not envs.MALLOC_KEEP.get() or not is_glibc():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -29,6 +29,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
+from shared import envs
+
 _REQ_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("ferry_req_id", default=None)
 
 # Extra fields that may hold user content: redacted unless prompts are enabled.
@@ -167,14 +169,13 @@ def disable_progress_bars() -> None:
 
 def add_logging_args(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """``--log-level``, ``--log-format`` and ``--log-prompts`` with FERRY_* environment defaults."""
-    env = os.environ if environ is None else environ
     group = parser.add_argument_group("logging")
-    group.add_argument("--log-level", default=env.get("FERRY_LOG_LEVEL", "INFO"),
+    group.add_argument("--log-level", default=envs.LOG_LEVEL.get(environ),
                        help="DEBUG, INFO, WARNING or ERROR [env FERRY_LOG_LEVEL]")
-    group.add_argument("--log-format", choices=("json", "text"), default=env.get("FERRY_LOG_FORMAT", "json"),
+    group.add_argument("--log-format", choices=("json", "text"), default=envs.LOG_FORMAT.get(environ),
                        help="one JSON object per line, or text for terminals [env FERRY_LOG_FORMAT]")
     group.add_argument("--log-prompts", action="store_true",
-                       default=env.get("FERRY_LOG_PROMPTS", "").lower() in ("1", "true", "yes", "on"),
+                       default=envs.LOG_PROMPTS.get(environ),
                        help="write prompt and output content into logs (off: only sizes) [env FERRY_LOG_PROMPTS]")
 
 

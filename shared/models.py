@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from shared import envs
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -79,7 +81,7 @@ def resolve_model(name: str) -> ModelSource:
 def cache_root(cache_dir: str = "") -> Path:
     if cache_dir:
         return Path(cache_dir).expanduser()
-    env = os.environ.get("FERRY_CACHE_DIR")
+    env = envs.field_env("cache_dir")
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "ferry"

@@ -35,6 +35,7 @@ import torch
 
 from services.engine.offline import LLM, GenerationParams
 from services.worker.runner import set_num_threads
+from shared import envs
 
 SUBJECTS = ["the ocean", "a lighthouse keeper", "prime numbers", "bread baking", "the moon landing",
             "a lost cat", "photosynthesis", "chess openings", "winter in Norway", "a robot learning to paint"]
@@ -63,7 +64,7 @@ def greedy_agreement(model: str, max_tokens: int, threads: int, only: list[str] 
         if unknown:
             raise SystemExit(f"unknown variants {sorted(unknown)}; known: {[r[0] for r in runs[1:]]}")
         runs = [runs[0], *(r for r in runs[1:] if r[0] in only)]
-    saved = os.environ.get("FERRY_CPU_FLOAT32_EXACT")
+    saved = envs.CPU_FLOAT32_EXACT.raw()
     for label, dtype, quant, kv in runs:
         # the reference computes float32 with transformers' ops; every other run as served
         if label == "float32":

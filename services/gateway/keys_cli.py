@@ -16,6 +16,7 @@ import time
 import redis
 
 from services.gateway.keystore import KeyExistsError, KeyRecord, KeyStore, Layout, sync_client
+from shared import envs
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -63,8 +64,8 @@ def redis_target(args: argparse.Namespace) -> tuple[str, str]:
         return f"unix://{os.path.abspath(runtime_dir)}/redis.sock", f"--runtime-dir {runtime_dir}"
     if args.redis_url:
         return args.redis_url, "--redis-url"
-    if os.environ.get("FERRY_REDIS_URL"):
-        return os.environ["FERRY_REDIS_URL"], "FERRY_REDIS_URL"
+    if url := envs.field_env("redis_url"):
+        return url, "FERRY_REDIS_URL"
     return DEFAULT_REDIS_URL, "the default"
 
 

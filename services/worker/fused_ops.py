@@ -28,13 +28,14 @@ function). ``FERRY_CPU_FUSED_OPS=0`` turns them off.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from shared import envs
 
 from .packed_linear import FusedHead, FusedPart, PackedLinear, fast_cpu_dtype
 
@@ -46,8 +47,7 @@ SILU = {"SiLU", "SiLUActivation"}
 
 
 def fused_ops_enabled(dtype: torch.dtype, device: torch.device) -> bool:
-    setting = os.environ.get("FERRY_CPU_FUSED_OPS", "1").strip().lower()
-    if device.type != "cpu" or setting in ("0", "false", "no", "off"):
+    if device.type != "cpu" or not envs.CPU_FUSED_OPS.get():
         return False
     return fast_cpu_dtype(dtype)
 

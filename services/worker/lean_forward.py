@@ -35,12 +35,13 @@ turns it off.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from shared import envs
 
 from .attention import StepAttention
 from .backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
@@ -54,12 +55,12 @@ LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
 
 
 def lean_forward_enabled() -> bool:
-    return os.environ.get("FERRY_CPU_LEAN_FORWARD", "1").strip().lower() not in ("0", "false", "no", "off")
+    return envs.CPU_LEAN_FORWARD.get()
 
 
 def decode_layers_enabled() -> bool:
     """``FERRY_CPU_DECODE_LAYERS=0``: decode steps through the Python layer loop too (A/B runs)."""
-    return os.environ.get("FERRY_CPU_DECODE_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return envs.CPU_DECODE_LAYERS.get()
 
 
 # The parts of a ``decode_layers`` call its ``times`` counts, in its order (bench_profile's names).

@@ -51,13 +51,14 @@ prompts: ``float32_exact``); ``FERRY_CPU_PACKED_LINEAR=0`` turns packing off.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shared import envs
 
 log = logging.getLogger("ferry.worker.packed_linear")
 
@@ -322,7 +323,7 @@ def float32_exact() -> bool:
     (``F.linear``, its RMSNorm, rotary and SiLU code, SDPA for prompts), as ferry computed
     float32 before these paths; for A/B runs against transformers. Off by default: packed
     linears, fused ops and the prompt kernel sum in another order (~1e-5 relative)."""
-    return os.environ.get("FERRY_CPU_FLOAT32_EXACT", "0").strip().lower() in ("1", "true", "yes", "on")
+    return envs.CPU_FLOAT32_EXACT.get()
 
 
 def fast_cpu_dtype(dtype: torch.dtype) -> bool:
@@ -332,8 +333,7 @@ def fast_cpu_dtype(dtype: torch.dtype) -> bool:
 
 
 def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
-    setting = os.environ.get("FERRY_CPU_PACKED_LINEAR", "1").strip().lower()
-    if device.type != "cpu" or setting in ("0", "false", "no", "off"):
+    if device.type != "cpu" or not envs.CPU_PACKED_LINEAR.get():
         return False
     if not torch.backends.mkldnn.is_available():
         return False
@@ -378,13 +378,13 @@ def tiled_rows(dtype: torch.dtype) -> int | None:
     rows) and a prompt step's; ``small`` up to ``SMALL_BATCH_ROWS`` on any CPU (with AMX,
     AMX products past them: the split before); ``0`` no tiles, oneDNN alone (for A/B runs).
     """
-    setting = os.environ.get("FERRY_CPU_TILED_LINEAR", "auto").strip().lower()
-    if dtype != torch.bfloat16 or setting in ("0", "false", "no", "off"):
+    if dtype != torch.bfloat16:
+        return None
+    setting = envs.CPU_TILED_LINEAR.get()  # auto, small or off
+    if setting == "off":
         return None
     if setting == "small":
         return SMALL_BATCH_ROWS
-    if setting not in ("auto", "1", "true", "yes", "on"):
-        raise ValueError(f"FERRY_CPU_TILED_LINEAR={setting!r}: auto, small or 0")
     from .backends.cpu_paged import cpu_flag
 
     return AMX_TILED_ROWS if cpu_flag("amx_bf16") else ALL_ROWS
@@ -395,7 +395,7 @@ def amx_rows(kernels: Any) -> int:
     turns it off in the decode call too, for A/B runs)."""
     if not hasattr(kernels, "tiled_amx"):
         return 0
-    off = os.environ.get("FERRY_CPU_AMX_LINEAR", "1").strip().lower() in ("0", "false", "no", "off")
+    off = not envs.CPU_AMX_LINEAR.get()
     return int(kernels.tiled_amx(0 if off else 1))
 
 
@@ -416,19 +416,8 @@ def amx_prompt(name: str) -> bool:
 
     ``FERRY_CPU_AMX_PROMPT``: ``auto`` (default) or ``all``: every projection; ``0`` (none:
     oneDNN takes every prompt row and keeps its copies), or a comma list of qkv, o, gate_up, down."""
-    setting = os.environ.get("FERRY_CPU_AMX_PROMPT", "auto").strip().lower()
-    if setting in ("auto", "1", "true", "yes", "on"):
-        kinds: frozenset[str] = AMX_PROMPT_DEFAULT
-    elif setting == "all":
-        kinds = frozenset(PROJECTION_KINDS.values())
-    elif setting in ("0", "false", "no", "off", "none", ""):
-        kinds = frozenset()
-    else:
-        kinds = frozenset(k.strip() for k in setting.split(","))
-        if not kinds <= set(PROJECTION_KINDS.values()):
-            raise ValueError(f"FERRY_CPU_AMX_PROMPT={setting!r}: auto, all, 0 or a comma list of "
-                             f"{', '.join(sorted(set(PROJECTION_KINDS.values())))}")
-    return PROJECTION_KINDS.get(name.rsplit(".", 1)[-1]) in kinds
+    kinds = envs.CPU_AMX_PROMPT.get()  # None: auto
+    return PROJECTION_KINDS.get(name.rsplit(".", 1)[-1]) in (AMX_PROMPT_DEFAULT if kinds is None else kinds)
 
 
 def _tiled_kernels() -> Any | None:

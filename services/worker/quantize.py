@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shared import envs
+
 log = logging.getLogger("ferry.worker.quantize")
 
 MIN_AMAX = 1e-10  # an all-zero row still gets a finite scale
@@ -170,7 +172,7 @@ def onednn_int8() -> bool:
     torch._int_mm at 512-2,048 rows and the gate/up product 1.8x at 64; without AMX
     (``ONEDNN_MAX_CPU_ISA=AVX2``) it was 2-3x slower at 64 rows, and under AVX512_CORE_VNNI
     one call took half a second (docs/benchmarks.md, "int8 weights")."""
-    if os.environ.get("FERRY_CPU_INT8_ONEDNN", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.CPU_INT8_ONEDNN.get():
         return False
     from .backends.cpu_paged import cpu_flag
 
@@ -218,10 +220,7 @@ def int8_available() -> str | None:
 
 
 def int8_kernels() -> Any | None:
-    """The CPU kernels' ``quant_rows``/``dequant_rows``, or None: PyTorch ops instead
-    (no compiler, or ``FERRY_CPU_INT8_KERNELS=0`` for an A/B run)."""
-    if os.environ.get("FERRY_CPU_INT8_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
+    """The CPU kernels' ``quant_rows``/``dequant_rows``, or None: PyTorch ops instead (no compiler)."""
     try:
         from .backends.cpu_paged import load_extension
 

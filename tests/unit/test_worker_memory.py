@@ -132,9 +132,9 @@ def test_keep_freed_memory_reuses_step_buffers_without_page_faults() -> None:
 
 
 def test_keep_freed_memory_can_be_turned_off_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(heap.KEEP_ENV, "0")
+    monkeypatch.setenv("FERRY_MALLOC_KEEP", "0")
     assert heap.keep_freed_memory() is False
-    monkeypatch.delenv(heap.KEEP_ENV)
+    monkeypatch.delenv("FERRY_MALLOC_KEEP")
     monkeypatch.setattr(heap, "is_glibc", lambda: True)
 
     def no_library(name: object) -> object:

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from shared import envs
+
 from ..packed_linear import fast_cpu_dtype
 from . import PagedBatch, register_backend
 from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata
@@ -86,6 +88,7 @@ def cpu_march() -> str:
     torch's own kernels, that is how the AVX2 paths are tested on an AVX-512 machine; a
     container image for a mixed fleet can use it too.
     """
+    # read here, not through shared/envs.py (where it is declared): the kernels' loader imports nothing of ferry
     march = os.environ.get("FERRY_CPU_MARCH", "").strip() or "native"
     if not all(c.isalnum() or c in "-_." for c in march):
         raise ValueError(f"FERRY_CPU_MARCH={march!r} is not a -march value")
@@ -130,13 +133,13 @@ class CpuPagedMetadata:
 
 def prefill_kernel_enabled() -> bool:
     """``FERRY_CPU_PREFILL_KERNEL=0`` sends fresh chunks to SDPA too (for A/B runs)."""
-    return os.environ.get("FERRY_CPU_PREFILL_KERNEL", "1").strip().lower() not in ("0", "false", "no", "off")
+    return envs.CPU_PREFILL_KERNEL.get()
 
 
 def bf16_dot_enabled() -> bool:
     """``FERRY_CPU_BF16_DOT=0``: bfloat16 attention (prompts and decodes) through float32 FMAs,
     not AVX512-BF16 dot products."""
-    return os.environ.get("FERRY_CPU_BF16_DOT", "auto").strip().lower() not in ("0", "false", "no", "off")
+    return envs.CPU_BF16_DOT.get() is not False
 
 
 def bf16_decode_through_fma() -> bool:
@@ -151,12 +154,8 @@ def bf16_decode_through_fma() -> bool:
     products everywhere (its FMA path converts each byte: 1.7x their time on the Xeon).
     ``FERRY_CPU_BF16_DOT=1`` forces dot products, ``0`` FMAs for everything.
     """
-    setting = os.environ.get("FERRY_CPU_BF16_DOT", "auto").strip().lower()
-    if setting in ("0", "false", "no", "off"):
-        return True
-    if setting != "auto":
-        return False
-    return cpu_flag("amx_bf16")
+    setting = envs.CPU_BF16_DOT.get()  # None: auto
+    return cpu_flag("amx_bf16") if setting is None else not setting
 
 
 class CpuPagedBackend(ReferenceBackend):
