@@ -141,8 +141,8 @@ async def flood(url: str, rps: float, duration_s: float, size: int) -> dict[str,
     return statuses
 
 
-async def paced(base_url: str, rate: float, duration_s: float, max_tokens: int) -> list[dict[str, Any]]:
-    config = ClientConfig(base_url=base_url, model="smollm2-135m-instruct", api_key=KEY, ignore_eos=True)
+async def paced(base_url: str, key: str, rate: float, duration_s: float, max_tokens: int) -> list[dict[str, Any]]:
+    config = ClientConfig(base_url=base_url, model="smollm2-135m-instruct", api_key=key, ignore_eos=True)
     records = []
     async with stream_session(120.0) as session:
         start = time.perf_counter()
@@ -171,9 +171,10 @@ def phase(ns: Namespace, gateway: psutil.Process, flood_rps: float, args: argpar
           body_bytes: int) -> dict[str, Any]:
     """One phase: the paced clients (inside the namespace) with or without the flood (from here)."""
     cmd = ["ip", "netns", "exec", ns.name, sys.executable, "-m", "benchmarks.serving.auth_flood", "--role", "paced",
-           "--rate", str(args.rate), "--duration", str(args.duration), "--max-tokens", str(args.max_tokens)]
+           "--rate", str(args.rate), "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
+           "--key", KEY]
     cpu0 = gateway.cpu_times()
-    client = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "FERRY_BENCH_KEY": KEY})
+    client = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     statuses: dict[str, int] = {}
     if flood_rps > 0:
         statuses = asyncio.run(flood(f"http://{NS_ADDR}:{PORT}/v1/chat/completions", flood_rps, args.duration,
@@ -196,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20, help="the measured gateway's limit")
     ap.add_argument("--out", default="results/auth-flood.json")
+    ap.add_argument("--key", default="", help="(--role paced) the paying clients' key")
     args = ap.parse_args(argv)
     if args.role == "paced":
-        global KEY
-        KEY = os.environ["FERRY_BENCH_KEY"]
-        print(json.dumps(asyncio.run(paced(f"http://127.0.0.1:{PORT}", args.rate, args.duration, args.max_tokens))))
+        print(json.dumps(asyncio.run(paced(f"http://127.0.0.1:{PORT}", args.key, args.rate, args.duration,
+                                           args.max_tokens))))
         return 0
     if shutil.which("ip") is None or os.geteuid() != 0:
         print("auth_flood needs root and iproute2 ('ip') to create its network namespace", file=sys.stderr)
