@@ -27,7 +27,7 @@ kernels: install
 	$(PY) -c 'from services.worker.backends.cpu_paged import prebuild; prebuild()'
 
 lint: install
-	$(VENV)/bin/ruff check services shared loadtests ferry_cli tests
+	$(VENV)/bin/ruff check services shared loadtests ferry_cli benchmarks tests
 	$(VENV)/bin/mypy
 
 test: lint browser kernels
@@ -42,19 +42,19 @@ unit: install
 	$(PY) -m pytest -q tests/unit
 
 bench-scheduler: install
-	$(PY) -m services.scheduler.bench
+	$(PY) -m benchmarks.serving.bench_scheduler
 
 # Offline throughput: ferry's engine vs transformers generate and continuous batching (minutes).
 bench-offline: install
-	$(PY) -m services.engine.bench_offline --threads 2 --out results/bench-offline.json
+	$(PY) -m benchmarks.engine.bench_offline --threads 2 --out results/bench-offline.json
 
 bench-gateway: install
-	$(PY) -m services.gateway.bench --out results/bench-gateway.json
+	$(PY) -m benchmarks.serving.bench_gateway --out results/bench-gateway.json
 
 # Structured outputs: decode step time with 0, 1 and all requests under a grammar; grammar compile times.
 bench-grammar: install
 	@mkdir -p results
-	$(PY) -m services.engine.grammar_bench --batch 8 --steps 24 --out results/bench-grammar.json
+	$(PY) -m benchmarks.engine.grammar_bench --batch 8 --steps 24 --out results/bench-grammar.json
 
 # Load-test smoke run against a running server (default: `make run`'s); writes results/bench-smoke/board.md.
 BENCH_URL ?= http://127.0.0.1:8000
@@ -96,11 +96,11 @@ compose-check-clean:
 PEERS_ARGS ?=
 .PHONY: bench-peers bench-overhead
 bench-peers: install
-	$(PY) -m loadtests.peers --out results/bench-peers $(PEERS_ARGS)
+	$(PY) -m benchmarks.peers.board --out results/bench-peers $(PEERS_ARGS)
 
 # Serving overhead: ferry serve vs the offline engine on the same trace, repeats interleaved.
 bench-overhead: install
-	$(PY) -m loadtests.overhead --repeats 3 --out results/bench-overhead
+	$(PY) -m benchmarks.serving.overhead --repeats 3 --out results/bench-overhead
 
 # The GPU device check (tests/device/run.sh; docs/benchmarks.md, "GPU device check"): on a
 # machine with one NVIDIA GPU and no network, after `make device-wheels` here. DEVICE_OUT gets results.json + report.md.

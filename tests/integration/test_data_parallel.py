@@ -7,7 +7,7 @@ random model, plus a second gateway that knows only engine 0 and finds engine 1 
   that were only queued there are re-routed and complete; those it was running
   are held and resumed on the restarted engine, and at worst (not back in time)
   end with 503 + Retry-After (retryable): never more than its running set.
-  loadtests/engine_kill.py is the same run as a load test with a board.
+  benchmarks/serving/engine_kill.py is the same run as a load test with a board.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.serving.fake_scheduler import FakeScheduler
 from services.gateway.engine_client import EngineFailure, RequestQueue
 from services.gateway.engine_pool import EnginePool
-from services.gateway.fake_scheduler import FakeScheduler
 from services.gateway.metrics import GatewayMetrics
 from shared.config import GatewayConfig
 from shared.messages import AddRequest, RequestDelta, SamplingParams, StopParams

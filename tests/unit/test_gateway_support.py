@@ -3,7 +3,7 @@
 - ``build_tiny_tokenizer(folder)``: a byte-level BPE trained in milliseconds on a
   small corpus with accents, CJK and emoji (so tokens split UTF-8 characters),
   with a ChatML template, in the folder layout the gateway loads.
-- ``FakeScheduler``: services/gateway/fake_scheduler.py's stand-in scheduler (a
+- ``FakeScheduler``: benchmarks/serving/fake_scheduler.py's stand-in scheduler (a
   real zmq ROUTER in a thread, deterministic tokens, records every message, can
   refuse, hold, fail, go silent or die on demand).
 - ``GatewayServer``: the real gateway app under uvicorn on a free port, in a thread.
@@ -25,8 +25,8 @@ import httpx
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from benchmarks.serving.fake_scheduler import FakeScheduler as _FakeScheduler
 from services.gateway.app import build_app
-from services.gateway.fake_scheduler import FakeScheduler as _FakeScheduler
 from services.gateway.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 

@@ -15,7 +15,13 @@ inside a function cannot slip past:
   module of ferry it imports, transitively, imports torch or zmq; the service loop
   around it is what speaks zmq;
 - no import circle inside ``services/scheduler`` (imports under ``TYPE_CHECKING`` and
-  inside functions count: a circle there still ties the two modules together).
+  inside functions count: a circle there still ties the two modules together);
+- studies and tests stay outside the product: nothing shipped (``services``,
+  ``shared``, ``ferry_cli``, ``loadtests``) imports ``benchmarks`` or ``tests``, and
+  ``benchmarks`` is in neither the wheel nor the image;
+- the load tool (``loadtests``, ``ferry bench``) is an HTTP client of any server: it
+  imports nothing of ``services``, and neither ``services`` nor ``shared`` imports it
+  (``ferry bench`` reaches it through ``ferry_cli``'s table of subcommand modules).
 """
 
 from __future__ import annotations
@@ -209,3 +215,52 @@ def test_the_checkers_see_type_checking_and_function_level_imports(tmp_path: Pat
     assert import_cycles("services/scheduler", tmp_path) == [["services.scheduler.a", "services.scheduler.b"]]
     assert reachable_violations([pkg / "c.py"], NOT_IN_THE_CORE, tmp_path) == [
         "services/scheduler/d.py imports zmq"]
+
+
+# Rooms of what ships (the wheel's packages, the image's folders) and what each may not import.
+NOT_SHIPPED = ("benchmarks", "tests")
+SHIPPED: dict[str, tuple[str, ...]] = {
+    "services": ("loadtests", *NOT_SHIPPED),
+    "shared": ("loadtests", *NOT_SHIPPED),
+    "ferry_cli": NOT_SHIPPED,
+    "loadtests": ("services", *NOT_SHIPPED),
+}
+
+
+@pytest.mark.parametrize("room", sorted(SHIPPED))
+def test_shipped_rooms_import_no_studies_and_the_load_tool_no_server(room: str) -> None:
+    assert (ROOT / room).is_dir()
+    assert violations(room, SHIPPED[room]) == []
+
+
+def test_the_load_tool_rule_sees_lazy_imports(tmp_path: Path) -> None:
+    """A study's helper pulled into the load tool inside a function is caught, as is a server module."""
+    pkg = tmp_path / "loadtests"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_probe.py").write_text("def f():\n    from benchmarks.peers import board\n"
+                                   "    import services.worker.loader\n    return board\n")
+    assert violations("loadtests", SHIPPED["loadtests"], tmp_path) == [
+        "loadtests/_probe.py imports benchmarks.peers", "loadtests/_probe.py imports benchmarks.peers.board",
+        "loadtests/_probe.py imports services.worker.loader"]
+
+
+def test_ferry_subcommands_name_no_study() -> None:
+    from ferry_cli.main import SUBCOMMANDS
+
+    modules = [module for module, _ in SUBCOMMANDS.values()]
+    assert not [m for m in modules if m.split(".")[0] in NOT_SHIPPED]
+
+
+def test_benchmarks_are_not_shipped() -> None:
+    """The wheel's package list and the image's build context leave ``benchmarks`` out."""
+    import fnmatch
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert not [p for p in find["include"] if fnmatch.fnmatch("benchmarks", p)]
+    allowed = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip().startswith("!")]
+    assert not [line for line in allowed if line.lstrip("!").split("/")[0] == "benchmarks"]
+    copies = [ln for ln in (ROOT / "deploy" / "Dockerfile").read_text().splitlines() if ln.startswith(("COPY", "ADD"))]
+    assert copies and not [ln for ln in copies if "benchmarks" in ln]
