@@ -8,7 +8,8 @@ the other way round. ``ferry bench`` (``loadtests``) is the shipped load tool.
 - ``engine/``: the offline engine as a whole (throughput, dtype, quality, profile,
   sampling, grammars);
 - ``serving/``: the served stack's own costs (scheduler, gateway, serving against
-  offline, OpenMP waits, data parallel, an engine killed under load);
+  offline, OpenMP waits, data parallel, an engine killed under load, an
+  authentication flood);
 - ``peers/``: ``ferry serve`` beside vLLM's CPU build on one trace, and that trace's
   GEMM limit.
 

@@ -1,3 +1,3 @@
 """What serving itself costs, measured on real processes: the scheduler's step, the gateway per
 streamed token, ``ferry serve`` against the offline engine, OpenMP wait policies, data parallel,
-and two engines under load with one killed."""
+two engines under load with one killed, and authentication under a flood of keyless requests."""
