@@ -25,9 +25,9 @@ import httpx
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from services.gateway.app import build_app
+from services.gateway.api.app import build_app
 from services.gateway.fake_scheduler import FakeScheduler as _FakeScheduler
-from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 
 CHAT_TEMPLATE = (

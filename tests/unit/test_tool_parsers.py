@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.tools import (
+from services.gateway.text.tools import (
     ForcedCallParser,
     ParsedCall,
     ToolParser,
@@ -65,7 +65,7 @@ def test_forced_parsers() -> None:
 
 
 def test_forced_schema_shapes() -> None:
-    from services.gateway.protocol import Tool
+    from services.gateway.api.protocol import Tool
 
     tools = [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
              Tool.model_validate({"type": "function", "function": {"name": "g"}})]

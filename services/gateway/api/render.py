@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.generation import ChoiceEvent
-from services.gateway.tokenizer import GatewayTokenizer
-from services.gateway.tools import ParsedCall, ToolParser, ToolStream, calls_json
+from services.gateway.api.generation import ChoiceEvent
+from services.gateway.text.tokenizer import GatewayTokenizer
+from services.gateway.text.tools import ParsedCall, ToolParser, ToolStream, calls_json
 from shared.messages import SampleLogprobs, TokenLogprob
 
 

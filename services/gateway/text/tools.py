@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.errors import bad_request
-from services.gateway.protocol import ChatCompletionRequest, Tool
+from services.gateway.api.errors import bad_request
+from services.gateway.api.protocol import ChatCompletionRequest, Tool
 from shared.grammar import json_schema_grammar
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")

@@ -37,7 +37,8 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import MetricWrapperBase
 
-from services.gateway.metrics_families import (
+from services.gateway.engines.resume import RESUME_CAUSES
+from services.gateway.observability.metrics_families import (
     DELIVERY_BUCKETS,
     FINE_REQUEST_BUCKETS,
     ITL_BUCKETS,
@@ -51,8 +52,7 @@ from services.gateway.metrics_families import (
     ScrapeTimeCollector,
     one_two_five_buckets,
 )
-from services.gateway.metrics_window import EngineSample, FinishedSample, LiveWindow
-from services.gateway.resume import RESUME_CAUSES
+from services.gateway.observability.metrics_window import EngineSample, FinishedSample, LiveWindow
 from shared.messages import STEP_PHASES, EngineHealth, EngineStats, RequestTimings
 
 GATEWAY_PROCESS = "gateway"

@@ -25,13 +25,18 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.gateway.detokenizer import TextStream
-from services.gateway.engine_client import EngineClient, EngineFailure, EngineUnavailable, RequestQueue
-from services.gateway.engine_pool import EnginePool
-from services.gateway.errors import APIError, retry_after_header, unavailable
-from services.gateway.metrics import GatewayMetrics, RequestRecord
-from services.gateway.tokenizer import GatewayTokenizer
-from services.gateway.validation import GenerationSpec
+from services.gateway.api.errors import APIError, retry_after_header, unavailable
+from services.gateway.api.validation import GenerationSpec
+from services.gateway.engines.engine_client import (
+    EngineClient,
+    EngineFailure,
+    EngineUnavailable,
+    RequestQueue,
+)
+from services.gateway.engines.engine_pool import EnginePool
+from services.gateway.observability.metrics import GatewayMetrics, RequestRecord
+from services.gateway.text.detokenizer import TextStream
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.messages import AddRequest, RequestDelta, RequestRejected, RequestTimings, SampleLogprobs
 
 # RequestRejected.reason -> (HTTP status, error code)
