@@ -17,7 +17,8 @@ import msgspec
 
 from services.gateway.api.generation import ChoiceEvent
 from services.gateway.text.tokenizer import GatewayTokenizer
-from services.gateway.text.tools import ParsedCall, ToolParser, ToolStream, calls_json
+from services.gateway.text.tool_parsers.base import ParsedCall, ToolParser
+from services.gateway.text.tools import ToolStream, calls_json
 from shared.messages import SampleLogprobs, TokenLogprob
 
 

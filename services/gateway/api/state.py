@@ -39,7 +39,7 @@ from services.gateway.api.validation import ServingLimits
 from services.gateway.engines.engine_pool import EnginePool
 from services.gateway.observability.metrics import GatewayMetrics
 from services.gateway.text.tokenizer import GatewayTokenizer, load_gateway_tokenizer
-from services.gateway.text.tools import make_parser
+from services.gateway.text.tool_parsers import make_parser
 from shared.config import GatewayConfig, config_as_dict
 
 try:  # the Redis engine registry (admission's module); the gateway serves without it
