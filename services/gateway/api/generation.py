@@ -10,7 +10,7 @@ only the gateway sees text.
 Any failure of one choice (rejected by the scheduler, queue timeout, engine error,
 scheduler gone for good) aborts the others and raises an ``APIError`` with the right
 status. A scheduler restart is not a failure: the engine client holds the choices and
-asks ``continuation()`` for each (see ``resume.py``); the client sees a pause, and the
+asks ``continuation()`` for each (see ``engines/resume.py``); the client sees a pause, and the
 choice's timings, TTFT and usage stay those of the original request.
 ``close()`` is synchronous so it can run in the ``finally`` of a cancelled stream:
 it aborts whatever has not finished (client gone) and reports every choice to the

@@ -144,7 +144,7 @@ class ChatRenderer(Renderer):
     tool_streams: list[ToolStream] | None = None
 
     def use_tools(self, parser: ToolParser) -> None:
-        """Read each choice's output into ``tool_calls`` with ``parser`` (tools.py)."""
+        """Read each choice's output into ``tool_calls`` with ``parser`` (text/tool_parsers/)."""
         self.tool_parser = parser
         self.tool_streams = [ToolStream(parser) for _ in self.acc]
 

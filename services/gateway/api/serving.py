@@ -1,7 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: validate, admit, submit, answer.
 
 Order of checks: the key, from the header alone, before the body is read
-(auth_gate.py: 401, or 429 for an address that keeps failing), the body's size and
+(admission/auth_gate.py: 401, or 429 for an address that keeps failing), the body's size and
 structure (middleware.py), the body's schema (400), the gateway's own backpressure
 (429 ``gateway_overloaded`` past ``max_inflight_requests``, 429 ``queue_full`` when
 fresh EngineStats show the scheduler's queue full: both before any tokenizing or

@@ -28,7 +28,7 @@ class ServingLimits:
     served_model_names: frozenset[str]
     max_n: int
     max_model_len: int  # 0: unknown, no context check
-    tool_call_parser: str = "hermes"  # how tool_choice "auto" output is read (tools.py)
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" output is read (text/tool_parsers/)
 
 
 @dataclass

@@ -59,7 +59,7 @@ GATEWAY_PROCESS = "gateway"
 ComponentSource = Callable[[], Iterable[tuple[str, bool]]]
 # Finish reasons shown as zero series from the start (others appear when they occur).
 FINISH_REASONS = ("stop", "length", "abort")
-# Why an authentication failed (auth_gate.py, ops_auth.py); 'throttled': answered 429 instead.
+# Why an authentication failed (admission/auth_gate.py, admission/ops_auth.py); 'throttled': answered 429 instead.
 AUTH_FAILURE_REASONS = ("missing_key", "invalid_key", "missing_admin_key", "not_admin", "throttled")
 AUTH_FLOOD_EVENT_S = 10.0  # at most one "failed authentications" event on the dashboard this often
 AUTH_FLOOD_MIN = 10  # failures since the last such event that make one
