@@ -13,7 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ferry_cli.serve", "run the whole stack: redis, scheduler, workers, gateway"),
     "bench": ("loadtests.cli", "load tests: scenarios, rate sweeps, experiments"),
     "plan": ("ferry_cli.plan", "capacity planning: which device fits a model, context and concurrency"),
-    "keys": ("services.gateway.keys_cli", "manage API keys stored in Redis"),
+    "keys": ("services.gateway.admission.keys_cli", "manage API keys stored in Redis"),
 }
 
 

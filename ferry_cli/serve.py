@@ -120,7 +120,7 @@ class Stack:
 
     ``--data-parallel-size N`` makes N engines, each a scheduler with its own
     ``--num-workers`` ranks and sockets, registered in Redis under the names
-    ``0``..``N-1``; the gateway routes among them (services/gateway/engine_pool.py).
+    ``0``..``N-1``; the gateway routes among them (services/gateway/engines/engine_pool.py).
     """
 
     def __init__(self, args: argparse.Namespace, runtime_dir: str, redis_url: str) -> None:

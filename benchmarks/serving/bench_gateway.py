@@ -35,7 +35,7 @@ import uvloop
 from benchmarks.serving.fake_scheduler import FakeScheduler
 from loadtests.client import ClientConfig, send_request, stream_session
 from loadtests.trace import TraceRequest
-from services.gateway.tokenizer import load_gateway_tokenizer
+from services.gateway.text.tokenizer import load_gateway_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé, 日本語 and emoji 🎉 keep the detokenizer honest.\n"
 ROOT = Path(__file__).resolve().parents[2]

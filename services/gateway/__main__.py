@@ -14,9 +14,9 @@ import logging
 import math
 import sys
 
-from services.gateway.keystore import Layout, sync_client
-from services.gateway.ops_auth import is_loopback
-from services.gateway.routing import policy_from_config
+from services.gateway.admission.keystore import Layout, sync_client
+from services.gateway.admission.ops_auth import is_loopback
+from services.gateway.engines.routing import policy_from_config
 from shared.config import GatewayConfig, add_config_args, config_from_args
 from shared.config_checks import config_errors, exit_on_errors
 from shared.heap import release_and_log
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from services.gateway.app import build_app
+    from services.gateway.api.app import build_app
 
     app = build_app(config)
     release_and_log("tokenizer loaded", log)  # what parsing tokenizer.json freed (~29 MiB, shared/heap.py)

@@ -7,7 +7,7 @@ is the one gateways connect to) writes, every ``registry_ttl_s / 4`` seconds::
 
 with the engine's name, advertised endpoint, model, KV capacity (blocks, block
 size), max_model_len, readiness and current load. Gateways list the ZSET and
-connect to every live engine (services/gateway/engine_pool.py), so a new engine
+connect to every live engine (services/gateway/engines/engine_pool.py), so a new engine
 takes traffic without a gateway restart and one that stops heartbeating (crashed,
 partitioned) drops out of every gateway's routing within the TTL. A clean stop
 deletes the record at once. Redis failures are logged once and retried; serving

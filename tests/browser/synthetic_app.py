@@ -21,8 +21,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from services.gateway.dashboard import make_dashboard_router
-from services.gateway.metrics import GatewayMetrics, RequestRecord
+from services.gateway.observability.dashboard import make_dashboard_router
+from services.gateway.observability.metrics import GatewayMetrics, RequestRecord
 from shared.messages import EngineStats, RequestSummary, RequestTimings
 
 CONFIG = {"max_num_seqs": "8", "max_num_batched_tokens": "512", "block_size": "16",

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from services.gateway import keys_cli
-from services.gateway.auth import Admission, AdmissionError, Grant
-from services.gateway.keystore import KeyStore, hash_key, redis_auth_enabled, sync_client
+from services.gateway.admission import keys_cli
+from services.gateway.admission.auth import Admission, AdmissionError, Grant
+from services.gateway.admission.keystore import KeyStore, hash_key, redis_auth_enabled, sync_client
 from shared.config import GatewayConfig
 from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer, free_port
 

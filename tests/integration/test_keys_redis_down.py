@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from services.gateway.auth import Admission, AdmissionError, Grant
-from services.gateway.keystore import KeyStore, sync_client
+from services.gateway.admission.auth import Admission, AdmissionError, Grant
+from services.gateway.admission.keystore import KeyStore, sync_client
 from shared.config import GatewayConfig
 from tests.redis_server import RedisServer
 

@@ -12,9 +12,9 @@ import asyncio
 import time
 from typing import Any
 
-from services.gateway.auth import Admission, AdmissionError, Grant
-from services.gateway.keystore import KeyStore, sync_client
-from services.gateway.registry import EngineRegistry
+from services.gateway.admission.auth import Admission, AdmissionError, Grant
+from services.gateway.admission.keystore import KeyStore, sync_client
+from services.gateway.engines.registry import EngineRegistry
 from shared.config import GatewayConfig
 from shared.messages import EngineHealth, EngineStats
 from tests.redis_server import RedisServer

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.registry import EngineRegistry, engine_id
+from services.gateway.engines.registry import EngineRegistry, engine_id
 from shared.config import GatewayConfig
 from shared.messages import EngineHealth, EngineStats
 from tests.redis_server import RedisServer

@@ -21,8 +21,8 @@ import httpx
 import psutil
 import pytest
 
-from services.gateway import keys_cli
-from services.gateway.registry import EngineRegistry
+from services.gateway.admission import keys_cli
+from services.gateway.engines.registry import EngineRegistry
 from shared.config import GatewayConfig
 from tests.integration.conftest import ServeProcess, wait_for
 from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.gateway import keys_cli
+from services.gateway.admission import keys_cli
 from tests.integration.conftest import ServeProcess, read_metrics, tail
 
 pytestmark = pytest.mark.slow  # starts a cluster

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.gateway.auth import Admission, AdmissionError, Grant, parse_bearer
+from services.gateway.admission.auth import Admission, AdmissionError, Grant, parse_bearer
 from shared.config import GatewayConfig
 from tests.redis_server import free_port
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from services.gateway.auth import Admission, AdmissionError
-from services.gateway.keystore import KeyStore, sync_client
+from services.gateway.admission.auth import Admission, AdmissionError
+from services.gateway.admission.keystore import KeyStore, sync_client
 from shared.config import GatewayConfig
 from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer
 

@@ -1,4 +1,4 @@
-"""Authentication before any work (services/gateway/auth_gate.py, auth_failures.py).
+"""Authentication before any work (services/gateway/admission/auth_gate.py, auth_failures.py).
 
 The real gateway app under uvicorn, built as for ``--host 0.0.0.0 --api-key K
 --admin-key A``. Every API endpoint is tried without a key and with a wrong one,
@@ -21,15 +21,15 @@ from typing import Any
 import httpx
 import pytest
 
-import services.gateway.middleware as middleware
-import services.gateway.validation as validation
-from services.gateway.app import build_app
-from services.gateway.auth import Admission
-from services.gateway.auth_failures import FailureThrottle, TrustedProxies
-from services.gateway.errors import APIError
-from services.gateway.keystore import KeyStore, sync_client
-from services.gateway.structured import GrammarChecker
-from services.gateway.tokenizer import GatewayTokenizer
+import services.gateway.api.middleware as middleware
+import services.gateway.api.validation as validation
+from services.gateway.admission.auth import Admission
+from services.gateway.admission.auth_failures import FailureThrottle, TrustedProxies
+from services.gateway.admission.keystore import KeyStore, sync_client
+from services.gateway.api.app import build_app
+from services.gateway.api.errors import APIError
+from services.gateway.text.structured import GrammarChecker
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 from shared.config_checks import config_errors
 from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer

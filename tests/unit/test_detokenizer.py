@@ -8,14 +8,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.detokenizer import (
+from services.gateway.text.detokenizer import (
     ByteLevelDetokenizer,
     OffsetsDetokenizer,
     StopStringMatcher,
     TextStream,
     make_detokenizer,
 )
-from services.gateway.tokenizer import GatewayTokenizer, gateway_tokenizer_dir
+from services.gateway.text.tokenizer import GatewayTokenizer, gateway_tokenizer_dir
 from tests.unit.test_gateway_support import build_tiny_tokenizer
 
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -117,7 +117,7 @@ def test_random_byte_tokens_only_emit_complete_characters(tiny: GatewayTokenizer
 
 
 def _byte_symbols() -> list[str]:
-    from services.gateway.tokenizer import CHAR_TO_BYTE
+    from services.gateway.text.tokenizer import CHAR_TO_BYTE
 
     return sorted(CHAR_TO_BYTE)
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serving.fake_scheduler import FakeScheduler
-from services.gateway.engine_client import EngineFailure, RequestQueue
-from services.gateway.engine_pool import EnginePool
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.engines.engine_client import EngineFailure, RequestQueue
+from services.gateway.engines.engine_pool import EnginePool
+from services.gateway.observability.metrics import GatewayMetrics
 from shared.config import GatewayConfig
 from shared.messages import AddRequest, RequestDelta, SamplingParams, StopParams
 
@@ -212,7 +212,7 @@ def test_a_full_queue_sends_the_request_to_an_engine_with_room(fakes: list[FakeS
 
 
 def test_each_engine_s_counters_advance_by_its_own_totals() -> None:
-    from services.gateway.engine_pool import engine_metrics
+    from services.gateway.engines.engine_pool import engine_metrics
     from tests.unit.test_metrics import stats, value
 
     base = GatewayMetrics("m")

@@ -19,9 +19,9 @@ import msgspec
 import openai
 import pytest
 
-from services.gateway import serving
-from services.gateway.engine_client import EngineClient
-from services.gateway.state import GatewayState, InflightLimiter, drain_retry_after_s
+from services.gateway.api import serving
+from services.gateway.api.state import GatewayState, InflightLimiter, drain_retry_after_s
+from services.gateway.engines.engine_client import EngineClient
 from shared.config import GatewayConfig
 from shared.messages import EngineStats
 from tests.unit.test_gateway_app import COMPLETION, sse_events

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.gateway import serving
+from services.gateway.api import serving
 
 
 def run_stream(monkeypatch: pytest.MonkeyPatch, block_at: int | None, slow_s: float = 0.0) -> dict[str, Any]:

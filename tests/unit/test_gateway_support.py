@@ -26,8 +26,8 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from benchmarks.serving.fake_scheduler import FakeScheduler as _FakeScheduler
-from services.gateway.app import build_app
-from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.api.app import build_app
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 
 CHAT_TEMPLATE = (

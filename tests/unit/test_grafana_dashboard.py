@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.dashboard import make_dashboard_router
-from services.gateway.metrics import GatewayMetrics, RequestRecord
+from services.gateway.observability.dashboard import make_dashboard_router
+from services.gateway.observability.metrics import GatewayMetrics, RequestRecord
 from shared.messages import EngineStats, RequestSummary, RequestTimings
 
 ROOT = Path(__file__).resolve().parents[2]

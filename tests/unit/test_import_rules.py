@@ -14,8 +14,9 @@ inside a function cannot slip past:
   poison and stats) runs without tensors and without sockets: neither it nor any
   module of ferry it imports, transitively, imports torch or zmq; the service loop
   around it is what speaks zmq;
-- no import circle inside ``services/scheduler`` (imports under ``TYPE_CHECKING`` and
-  inside functions count: a circle there still ties the two modules together);
+- no import circle inside ``services/scheduler`` or ``services/gateway`` and its parts
+  (imports under ``TYPE_CHECKING`` and inside functions count: a circle there still ties
+  the two modules together);
 - studies and tests stay outside the product: nothing shipped (``services``,
   ``shared``, ``ferry_cli``, ``loadtests``) imports ``benchmarks`` or ``tests``, and
   ``benchmarks`` is in neither the wheel nor the image;
@@ -108,13 +109,14 @@ def reachable_violations(paths: list[Path], forbidden: tuple[str, ...], root: Pa
 
 
 def import_cycles(folder: str, root: Path = ROOT) -> list[list[str]]:
-    """The circles among the modules of ``folder`` (strongly connected components of more
-    than one module, or a module importing itself), each as sorted module names."""
-    files = sorted((root / folder).glob("*.py"))
+    """The circles among the modules of ``folder`` and its sub-packages (strongly connected
+    components of more than one module, or a module importing itself), each as sorted module names."""
+    top = root / folder
+    files = sorted(top.rglob("*.py"))
     graph: dict[Path, set[Path]] = {}
     for path in files:
         targets = {module_file(mod, root) for mod in imported_modules(path, root)}
-        graph[path] = {t for t in targets if t is not None and t.parent == path.parent}
+        graph[path] = {t for t in targets if t is not None and t.is_relative_to(top)}
     index: dict[Path, int] = {}
     low: dict[Path, int] = {}
     stack: list[Path] = []
@@ -199,6 +201,11 @@ def test_the_scheduler_service_loop_is_what_speaks_zmq() -> None:
 
 def test_no_import_circle_in_the_scheduler() -> None:
     assert import_cycles("services/scheduler") == []
+
+
+def test_no_import_circle_in_the_gateway() -> None:
+    """Across its parts too: api, text, admission, engines, observability."""
+    assert import_cycles("services/gateway") == []
 
 
 def test_the_checkers_see_type_checking_and_function_level_imports(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway import keys_cli
+from services.gateway.admission import keys_cli
 from tests.redis_server import RedisServer
 
 

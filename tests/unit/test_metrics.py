@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.metrics import GatewayMetrics, RequestRecord
+from services.gateway.observability.metrics import GatewayMetrics, RequestRecord
 from shared.messages import EngineHealth, EngineStats, RequestTimings
 
 T0 = 1_700_000_000.0

@@ -10,8 +10,8 @@ import httpx
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from services.gateway.dashboard import dashboard_snapshot, history_points, make_dashboard_router
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.observability.dashboard import dashboard_snapshot, history_points, make_dashboard_router
+from services.gateway.observability.metrics import GatewayMetrics
 from shared.messages import EngineStats, RequestSummary
 from tests.browser.helpers import serve_in_thread
 
@@ -128,7 +128,7 @@ def test_component_up_and_config_info_series_at_scrape_time() -> None:
 
 
 def test_disabled_redis_is_neither_up_nor_down() -> None:
-    from services.gateway.dashboard import health_components
+    from services.gateway.observability.dashboard import health_components
 
     rows = health_components({"status": "ok", "redis": {"redis": "disabled"}}, None)
     assert rows[-1] == {"name": "redis", "status": "disabled", "up": None, "detail": ""}
@@ -136,7 +136,7 @@ def test_disabled_redis_is_neither_up_nor_down() -> None:
 
 def two_engines() -> tuple[GatewayMetrics, GatewayMetrics, Any]:
     """The gateway's metrics (engine "0") and engine "1"'s view, as the engine pool makes them."""
-    from services.gateway.engine_pool import engine_metrics
+    from services.gateway.engines.engine_pool import engine_metrics
 
     base = GatewayMetrics("m")
     other = engine_metrics(base, "1")
@@ -201,7 +201,7 @@ def test_history_adds_up_the_engines_second_by_second() -> None:
 
 
 def test_table_rows_interleave_engines_up_to_the_cap() -> None:
-    from services.gateway.dashboard import MAX_TABLE_ROWS
+    from services.gateway.observability.dashboard import MAX_TABLE_ROWS
 
     base, other, engines = two_engines()
     base.on_engine_stats(engine_stats(1000.0, [f"a{i}" for i in range(40)], [], free=0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.metrics_window import EngineSample, FinishedSample, LiveWindow, percentile
+from services.gateway.observability.metrics_window import EngineSample, FinishedSample, LiveWindow, percentile
 
 
 def finished(t: float, ttft: float | None = 0.1, queue: float | None = 0.05) -> FinishedSample:

@@ -1,4 +1,4 @@
-"""The operator's pages behind an admin key on a public bind (services/gateway/ops_auth.py).
+"""The operator's pages behind an admin key on a public bind (services/gateway/admission/ops_auth.py).
 
 The app is built as for ``--host 0.0.0.0`` (served on loopback here: the decision
 follows the configured host) with an ``--admin-key``, a static ``--api-key`` and a
@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.gateway.app import build_app
-from services.gateway.keystore import KeyStore, sync_client
-from services.gateway.ops_auth import is_ops_path, presented_key
-from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.admission.keystore import KeyStore, sync_client
+from services.gateway.admission.ops_auth import is_ops_path, presented_key
+from services.gateway.api.app import build_app
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 from tests.redis_server import RedisServer
 from tests.unit.test_gateway_support import GatewayServer, build_tiny_tokenizer

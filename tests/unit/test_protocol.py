@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from services.gateway.app import build_app
-from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.api.app import build_app
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 from tests.unit.test_gateway_support import MAX_MODEL_LEN, build_tiny_tokenizer
 
@@ -236,7 +236,7 @@ def test_api_key_is_required_and_never_shown(tok_dir: Path) -> None:
 def test_building_the_app_does_not_import_torch(tok_dir: Path) -> None:
     code = (
         "import sys\n"
-        "from services.gateway.app import build_app\n"
+        "from services.gateway.api.app import build_app\n"
         "from services.gateway.__main__ import build_parser\n"
         "from shared.config import GatewayConfig\n"
         f"build_app(GatewayConfig(model={str(tok_dir)!r}))\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.ratelimit import Decision, LocalLimiter, format_duration, token_cost
+from services.gateway.admission.ratelimit import Decision, LocalLimiter, format_duration, token_cost
 
 
 class FakeClock:

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.gateway.auth import Admission, AdmissionError, Grant
-from services.gateway.keystore import KeyStore, sync_client
-from services.gateway.ratelimit import LocalLimiter, token_cost
+from services.gateway.admission.auth import Admission, AdmissionError, Grant
+from services.gateway.admission.keystore import KeyStore, sync_client
+from services.gateway.admission.ratelimit import LocalLimiter, token_cost
 from shared.config import GatewayConfig
 from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer
 

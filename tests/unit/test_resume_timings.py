@@ -3,7 +3,7 @@ finish from the scheduler that completed it; preemptions: the largest count repo
 
 from __future__ import annotations
 
-from services.gateway.generation import _merge_timings
+from services.gateway.api.generation import _merge_timings
 from shared.messages import RequestTimings
 
 

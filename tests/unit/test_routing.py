@@ -7,7 +7,14 @@ from collections import Counter
 
 import pytest
 
-from services.gateway.routing import EngineLoad, RoutingPolicy, load_bound, prefix_key, ring_walk, route
+from services.gateway.engines.routing import (
+    EngineLoad,
+    RoutingPolicy,
+    load_bound,
+    prefix_key,
+    ring_walk,
+    route,
+)
 
 POLICY = RoutingPolicy(policy="prefix", prefix_blocks=2, block_size=4, load_factor=1.25, slack=2)
 
@@ -28,7 +35,7 @@ def test_prefix_key_is_the_same_in_another_process() -> None:
     import subprocess
     import sys
 
-    code = "from services.gateway.routing import prefix_key; print(prefix_key(list(range(40)), 4, 16))"
+    code = "from services.gateway.engines.routing import prefix_key; print(prefix_key(list(range(40)), 4, 16))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(other.stdout) == prefix_key(list(range(40)), 4, 16)
 

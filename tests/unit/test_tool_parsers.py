@@ -13,14 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.tools import (
-    ForcedCallParser,
-    ParsedCall,
-    ToolParser,
-    ToolStream,
-    forced_call_schema,
-    make_parser,
-)
+from services.gateway.text.tool_parsers import make_parser
+from services.gateway.text.tool_parsers.base import ParsedCall, ToolParser
+from services.gateway.text.tool_parsers.forced import ForcedCallParser, forced_call_schema
+from services.gateway.text.tools import ToolStream
 
 HERMES = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>')
@@ -65,7 +61,7 @@ def test_forced_parsers() -> None:
 
 
 def test_forced_schema_shapes() -> None:
-    from services.gateway.protocol import Tool
+    from services.gateway.api.protocol import Tool
 
     tools = [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
              Tool.model_validate({"type": "function", "function": {"name": "g"}})]

@@ -15,9 +15,10 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.generation import ChoiceEvent
-from services.gateway.tokenizer import GatewayTokenizer
-from services.gateway.tools import ParsedCall, ToolParser, ToolStream, calls_json
+from services.gateway.api.generation import ChoiceEvent
+from services.gateway.text.tokenizer import GatewayTokenizer
+from services.gateway.text.tool_parsers.base import ParsedCall, ToolParser
+from services.gateway.text.tools import ToolStream, calls_json
 from shared.messages import SampleLogprobs, TokenLogprob
 
 
@@ -143,7 +144,7 @@ class ChatRenderer(Renderer):
     tool_streams: list[ToolStream] | None = None
 
     def use_tools(self, parser: ToolParser) -> None:
-        """Read each choice's output into ``tool_calls`` with ``parser`` (tools.py)."""
+        """Read each choice's output into ``tool_calls`` with ``parser`` (text/tool_parsers/)."""
         self.tool_parser = parser
         self.tool_streams = [ToolStream(parser) for _ in self.acc]
 

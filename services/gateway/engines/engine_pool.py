@@ -14,7 +14,7 @@ with one engine or many. Members come from:
   discovery interval; one whose registration expired (its TTL) leaves, and its
   requests are treated like those of a dead engine.
 
-Routing (services/gateway/routing.py) picks one engine per HTTP request (all its
+Routing (services/gateway/engines/routing.py) picks one engine per HTTP request (all its
 choices together, so ``n`` > 1 shares the prompt's cached blocks). When an engine
 goes away, every one of its requests that has not produced a token yet is sent
 again to another engine (same request id: the client sees a delay, not an
@@ -45,19 +45,19 @@ from typing import Any
 from prometheus_client import Counter
 from redis.exceptions import RedisError
 
-from services.gateway import keystore
-from services.gateway.engine_client import (
+from services.gateway.admission import keystore
+from services.gateway.engines.engine_client import (
     EngineClient,
     EngineFailure,
     EngineUnavailable,
     RequestQueue,
     StreamItem,
 )
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.metrics_families import Fan
-from services.gateway.metrics_window import LiveWindow
-from services.gateway.resume import Resumable
-from services.gateway.routing import EngineLoad, policy_from_config, prefix_key, route
+from services.gateway.engines.resume import Resumable
+from services.gateway.engines.routing import EngineLoad, policy_from_config, prefix_key, route
+from services.gateway.observability.metrics import GatewayMetrics
+from services.gateway.observability.metrics_families import Fan
+from services.gateway.observability.metrics_window import LiveWindow
 from shared.config import GatewayConfig
 from shared.messages import AddRequest, EngineHealth, EngineStats, RequestDelta, RequestRejected
 

@@ -40,9 +40,9 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from services.gateway import keystore
-from services.gateway.keystore import KeyRecord, Layout
-from services.gateway.ratelimit import Decision, LocalLimiter, SharedLimiter, token_cost
+from services.gateway.admission import keystore
+from services.gateway.admission.keystore import KeyRecord, Layout
+from services.gateway.admission.ratelimit import Decision, LocalLimiter, SharedLimiter, token_cost
 from shared.config import GatewayConfig
 
 log = logging.getLogger("ferry.gateway.auth")

@@ -31,8 +31,8 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from services.gateway.metrics import GATEWAY_PROCESS, GatewayMetrics
-from services.gateway.metrics_window import EngineSample, engine_rates
+from services.gateway.observability.metrics import GATEWAY_PROCESS, GatewayMetrics
+from services.gateway.observability.metrics_window import EngineSample, engine_rates
 from shared.messages import EngineStats, RequestSummary
 
 logger = logging.getLogger(__name__)

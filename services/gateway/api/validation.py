@@ -14,11 +14,11 @@ from typing import Any
 
 import msgspec
 
-from services.gateway import structured
-from services.gateway.errors import APIError, bad_request
-from services.gateway.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest, SamplingFields
-from services.gateway.tokenizer import ChatTemplateError, GatewayTokenizer
-from services.gateway.tools import ToolPlan, plan_tools
+from services.gateway.api.errors import APIError, bad_request
+from services.gateway.api.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.text import structured
+from services.gateway.text.tokenizer import ChatTemplateError, GatewayTokenizer
+from services.gateway.text.tools import ToolPlan, plan_tools
 from shared.grammar import GrammarError
 from shared.messages import AddRequest, SamplingParams, StopParams
 
@@ -28,7 +28,7 @@ class ServingLimits:
     served_model_names: frozenset[str]
     max_n: int
     max_model_len: int  # 0: unknown, no context check
-    tool_call_parser: str = "hermes"  # how tool_choice "auto" output is read (tools.py)
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" output is read (text/tool_parsers/)
 
 
 @dataclass

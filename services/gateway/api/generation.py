@@ -10,7 +10,7 @@ only the gateway sees text.
 Any failure of one choice (rejected by the scheduler, queue timeout, engine error,
 scheduler gone for good) aborts the others and raises an ``APIError`` with the right
 status. A scheduler restart is not a failure: the engine client holds the choices and
-asks ``continuation()`` for each (see ``resume.py``); the client sees a pause, and the
+asks ``continuation()`` for each (see ``engines/resume.py``); the client sees a pause, and the
 choice's timings, TTFT and usage stay those of the original request.
 ``close()`` is synchronous so it can run in the ``finally`` of a cancelled stream:
 it aborts whatever has not finished (client gone) and reports every choice to the
@@ -25,13 +25,18 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.gateway.detokenizer import TextStream
-from services.gateway.engine_client import EngineClient, EngineFailure, EngineUnavailable, RequestQueue
-from services.gateway.engine_pool import EnginePool
-from services.gateway.errors import APIError, retry_after_header, unavailable
-from services.gateway.metrics import GatewayMetrics, RequestRecord
-from services.gateway.tokenizer import GatewayTokenizer
-from services.gateway.validation import GenerationSpec
+from services.gateway.api.errors import APIError, retry_after_header, unavailable
+from services.gateway.api.validation import GenerationSpec
+from services.gateway.engines.engine_client import (
+    EngineClient,
+    EngineFailure,
+    EngineUnavailable,
+    RequestQueue,
+)
+from services.gateway.engines.engine_pool import EnginePool
+from services.gateway.observability.metrics import GatewayMetrics, RequestRecord
+from services.gateway.text.detokenizer import TextStream
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.messages import AddRequest, RequestDelta, RequestRejected, RequestTimings, SampleLogprobs
 
 # RequestRejected.reason -> (HTTP status, error code)

@@ -32,18 +32,18 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
-from services.gateway.auth import Admission
-from services.gateway.body_check import RequestLimits
-from services.gateway.engine_pool import EnginePool
-from services.gateway.errors import APIError, retry_after_header
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.tokenizer import GatewayTokenizer, load_gateway_tokenizer
-from services.gateway.tools import make_parser
-from services.gateway.validation import ServingLimits
+from services.gateway.admission.auth import Admission
+from services.gateway.api.body_check import RequestLimits
+from services.gateway.api.errors import APIError, retry_after_header
+from services.gateway.api.validation import ServingLimits
+from services.gateway.engines.engine_pool import EnginePool
+from services.gateway.observability.metrics import GatewayMetrics
+from services.gateway.text.tokenizer import GatewayTokenizer, load_gateway_tokenizer
+from services.gateway.text.tool_parsers import make_parser
 from shared.config import GatewayConfig, config_as_dict
 
 try:  # the Redis engine registry (admission's module); the gateway serves without it
-    from services.gateway.registry import EngineRegistry
+    from services.gateway.engines.registry import EngineRegistry
 except ImportError:  # pragma: no cover - only while that module is absent
     EngineRegistry = None  # type: ignore[assignment,misc]
 

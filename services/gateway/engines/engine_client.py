@@ -41,7 +41,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from services.gateway.resume import (
+from services.gateway.engines.resume import (
     CAUSE_CONNECTION_LOST,
     CAUSE_NEW_INCARNATION,
     CAUSE_SILENT,

@@ -25,11 +25,11 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.gateway.auth import AdmissionError, parse_bearer
-from services.gateway.auth_failures import AuthFailures, closes_connection, header_of
-from services.gateway.errors import APIError
-from services.gateway.middleware import drain, send_error
-from services.gateway.ops_auth import is_ops_path
+from services.gateway.admission.auth import AdmissionError, parse_bearer
+from services.gateway.admission.auth_failures import AuthFailures, closes_connection, header_of
+from services.gateway.admission.ops_auth import is_ops_path
+from services.gateway.api.errors import APIError
+from services.gateway.api.middleware import drain, send_error
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 KEYED_PATHS = ("/tokenize", "/detokenize")

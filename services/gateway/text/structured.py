@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.gateway.errors import APIError, bad_request
-from services.gateway.protocol import ChatCompletionRequest, SamplingFields
-from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.api.errors import APIError, bad_request
+from services.gateway.api.protocol import ChatCompletionRequest, SamplingFields
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.grammar import (
     GrammarError,
     check_grammar,
@@ -49,7 +49,7 @@ class GrammarChecker:
     """Compiles grammars against one model's tokenizer; remembers the ones that passed (bounded).
 
     The tokenizer view loads (~1 s) on the first grammar request, which validates off the
-    event loop (serving.py): gateways that never see a grammar never pay for it.
+    event loop (api/serving.py): gateways that never see a grammar never pay for it.
     """
 
     def __init__(self, folder: Path, vocab_size: int, eos_token_ids: Sequence[int], max_entries: int = 1024) -> None:

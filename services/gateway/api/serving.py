@@ -1,7 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: validate, admit, submit, answer.
 
 Order of checks: the key, from the header alone, before the body is read
-(auth_gate.py: 401, or 429 for an address that keeps failing), the body's size and
+(admission/auth_gate.py: 401, or 429 for an address that keeps failing), the body's size and
 structure (middleware.py), the body's schema (400), the gateway's own backpressure
 (429 ``gateway_overloaded`` past ``max_inflight_requests``, 429 ``queue_full`` when
 fresh EngineStats show the scheduler's queue full: both before any tokenizing or
@@ -37,14 +37,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from services.gateway.auth import AdmissionError, Grant
-from services.gateway.errors import APIError
-from services.gateway.generation import ChoiceEvent, Generation
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.render import ChatRenderer, CompletionRenderer, Renderer, sse
-from services.gateway.state import GatewayState, InflightSlot, state_of
-from services.gateway.structured import wants_grammar
-from services.gateway.validation import GenerationSpec, validate_chat, validate_completion
+from services.gateway.admission.auth import AdmissionError, Grant
+from services.gateway.api.errors import APIError
+from services.gateway.api.generation import ChoiceEvent, Generation
+from services.gateway.api.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.api.render import ChatRenderer, CompletionRenderer, Renderer, sse
+from services.gateway.api.state import GatewayState, InflightSlot, state_of
+from services.gateway.api.validation import GenerationSpec, validate_chat, validate_completion
+from services.gateway.text.structured import wants_grammar
 
 log = logging.getLogger("ferry.gateway.requests")
 router = APIRouter()

@@ -8,7 +8,7 @@ Unknown fields are ignored, as OpenAI and vLLM do; fields ferry does not support
 (``echo``, ``suffix``, ``best_of`` != n) are refused, never silently dropped.
 Structured outputs (``response_format``, vLLM's ``structured_outputs`` and its older
 ``guided_*`` names) and tools are shaped here and turned into grammars in
-``structured.py`` / ``tools.py``.
+``text/structured.py`` / ``text/tools.py``.
 """
 
 from __future__ import annotations

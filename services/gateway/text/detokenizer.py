@@ -25,7 +25,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Protocol
 
-from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.text.tokenizer import GatewayTokenizer
 
 REPLACEMENT = "\ufffd"
 # tokens of context the offsets method decodes before the new ones, so that a

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
-from services.gateway import keystore
+from services.gateway.admission import keystore
 from shared.config import GatewayConfig
 from shared.messages import EngineHealth, EngineStats
 

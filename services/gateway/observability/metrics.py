@@ -37,7 +37,8 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import MetricWrapperBase
 
-from services.gateway.metrics_families import (
+from services.gateway.engines.resume import RESUME_CAUSES
+from services.gateway.observability.metrics_families import (
     DELIVERY_BUCKETS,
     FINE_REQUEST_BUCKETS,
     ITL_BUCKETS,
@@ -51,15 +52,14 @@ from services.gateway.metrics_families import (
     ScrapeTimeCollector,
     one_two_five_buckets,
 )
-from services.gateway.metrics_window import EngineSample, FinishedSample, LiveWindow
-from services.gateway.resume import RESUME_CAUSES
+from services.gateway.observability.metrics_window import EngineSample, FinishedSample, LiveWindow
 from shared.messages import STEP_PHASES, EngineHealth, EngineStats, RequestTimings
 
 GATEWAY_PROCESS = "gateway"
 ComponentSource = Callable[[], Iterable[tuple[str, bool]]]
 # Finish reasons shown as zero series from the start (others appear when they occur).
 FINISH_REASONS = ("stop", "length", "abort")
-# Why an authentication failed (auth_gate.py, ops_auth.py); 'throttled': answered 429 instead.
+# Why an authentication failed (admission/auth_gate.py, admission/ops_auth.py); 'throttled': answered 429 instead.
 AUTH_FAILURE_REASONS = ("missing_key", "invalid_key", "missing_admin_key", "not_admin", "throttled")
 AUTH_FLOOD_EVENT_S = 10.0  # at most one "failed authentications" event on the dashboard this often
 AUTH_FLOOD_MIN = 10  # failures since the last such event that make one

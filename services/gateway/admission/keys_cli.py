@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from services.gateway.keystore import KeyExistsError, KeyRecord, KeyStore, Layout, sync_client
+from services.gateway.admission.keystore import KeyExistsError, KeyRecord, KeyStore, Layout, sync_client
 from shared import envs
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.body_check import RequestLimits, check_body
-from services.gateway.errors import APIError
+from services.gateway.api.body_check import RequestLimits, check_body
+from services.gateway.api.errors import APIError
 
 DRAIN_MAX_BYTES = 64 << 20  # read at most this much of a refused body before closing anyway
 DRAIN_MAX_S = 10.0

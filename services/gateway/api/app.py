@@ -16,18 +16,18 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.gateway.auth import AdmissionError
-from services.gateway.auth_failures import AuthFailures, FailureThrottle, Throttled, TrustedProxies
-from services.gateway.auth_gate import GENERATION_PATHS, AuthGate
-from services.gateway.dashboard import make_dashboard_router
-from services.gateway.errors import APIError, bad_request, install_error_handlers
-from services.gateway.middleware import RequestGuard
-from services.gateway.ops_auth import OpsAuth, is_loopback, static_admin_check
-from services.gateway.protocol import DetokenizeRequest, TokenizeRequest
-from services.gateway.serving import router as serving_router
-from services.gateway.state import build_state, ferry_version, state_of
-from services.gateway.tokenizer import GatewayTokenizer
-from services.gateway.validation import check_model, render_chat
+from services.gateway.admission.auth import AdmissionError
+from services.gateway.admission.auth_failures import AuthFailures, FailureThrottle, Throttled, TrustedProxies
+from services.gateway.admission.auth_gate import GENERATION_PATHS, AuthGate
+from services.gateway.admission.ops_auth import OpsAuth, is_loopback, static_admin_check
+from services.gateway.api.errors import APIError, bad_request, install_error_handlers
+from services.gateway.api.middleware import RequestGuard
+from services.gateway.api.protocol import DetokenizeRequest, TokenizeRequest
+from services.gateway.api.serving import router as serving_router
+from services.gateway.api.state import build_state, ferry_version, state_of
+from services.gateway.api.validation import check_model, render_chat
+from services.gateway.observability.dashboard import make_dashboard_router
+from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 
 JSON_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")

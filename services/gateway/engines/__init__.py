@@ -1,0 +1,1 @@
+"""The engines behind the gateway: one client per engine, the pool, routing, discovery, resumption."""

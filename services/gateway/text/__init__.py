@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer and chat template, the detokenizer, structured outputs, tool calls."""
