@@ -6,7 +6,7 @@ Two kinds:
   A/B switches, logging defaults, the heap policy. Python reads each through its
   ``Switch`` at call time (``envs.CPU_FUSED_OPS.get()``), so a test's
   ``monkeypatch.setenv`` applies at once; no other module reads a ``FERRY_*`` name from
-  ``os.environ`` (tests/unit/test_envs.py greps the shipped tree). A few are read
+  ``os.environ`` (tests/unit/shared/test_envs.py greps the shipped tree). A few are read
   elsewhere and only declared here, their ``reader`` says where: the C++ kernels and
   their loader (which import nothing of ferry), docker-compose.yml's own variables, and
   the test suite's and ``make compose-check``'s.

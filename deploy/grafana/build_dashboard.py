@@ -5,7 +5,7 @@
 The panels mirror the gateway's live /dashboard page. Engine-level series (the same
 values reported by every gateway of one engine) are aggregated with max(); request
 histograms, which each gateway observes for its own requests, with sum().
-tests/unit/test_grafana_dashboard.py checks that the committed JSON equals this
+tests/unit/deploy/test_grafana_dashboard.py checks that the committed JSON equals this
 script's output and that every metric it queries is one the gateway exposes.
 """
 

@@ -24,7 +24,7 @@ Only backends that declare ``supports_cuda_graphs`` (their ``prepare`` depends
 on host-side sizes only and their kernels read everything else from device
 buffers) are captured; ``--enforce-eager`` turns graphs off altogether.
 The bucket logic and buffer filling are plain tensor code, tested on the CPU
-with an eager stand-in for the graph (tests/unit/test_triton_cuda_graphs.py).
+with an eager stand-in for the graph (tests/unit/worker/test_triton_cuda_graphs.py).
 """
 
 from __future__ import annotations

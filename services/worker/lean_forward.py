@@ -25,7 +25,7 @@ This module runs the same step without it, in one of two ways:
   "A decode step against memory bandwidth"). ``FERRY_CPU_DECODE_LAYERS=0`` keeps the loop.
 
 Either way the hidden states and the keys and values written are bit-identical to the
-model's own forward in that state (tests/unit/test_lean_forward.py). Only for the
+model's own forward in that state (tests/unit/worker/test_lean_forward.py). Only for the
 architectures whose decoder layer is the plain pre-norm residual block (Llama,
 Mistral, Qwen2; not Qwen3's q/k norms), no sliding window, never with tensor
 parallelism; anything else keeps transformers' forward. ``FERRY_CPU_LEAN_FORWARD=0``

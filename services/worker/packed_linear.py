@@ -5,7 +5,7 @@ layout, which the library re-blocks internally each time. oneDNN can take the we
 once, reordered into the blocked layout its kernels read (``mkldnn._reorder_linear_weight``),
 and multiply against that on every call (``mkldnn._linear_pointwise``): the same
 products, in the same order for bfloat16 (bit-identical outputs, checked at start-up and
-in tests/unit/test_packed_linear.py), and 1.05-1.1x faster at prefill sizes, 1.2-1.4x at
+in tests/unit/worker/test_packed_linear.py), and 1.05-1.1x faster at prefill sizes, 1.2-1.4x at
 a decode batch of 64 and 1.3-2.9x for a single decode on this model's shapes
 (docs/benchmarks.md, "Kernels: linear products"). PyTorch's inductor does the same when it
 freezes a model for the CPU.

@@ -169,7 +169,7 @@ def _loop(runner: ModelRunner, plans: zmq.Socket, results: zmq.Socket, config: W
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The worker's flags (also imported by tests/unit/test_compose.py to check docker-compose.yml)."""
+    """The worker's flags (also imported by tests/unit/deploy/test_compose.py to check docker-compose.yml)."""
     parser = argparse.ArgumentParser(prog="python -m services.worker", description="a ferry model worker rank")
     add_config_args(parser, WorkerConfig)
     add_logging_args(parser)

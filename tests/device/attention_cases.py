@@ -1,5 +1,5 @@
 """Random paged-attention problems and the reference answer, shared by the CPU
-interpreter tests (tests/unit/test_triton_attention.py) and the GPU check
+interpreter tests (tests/unit/worker/test_triton_attention.py) and the GPU check
 (tests/device/kernels.py).
 
 A case is a list of requests, each ``(num_cached, num_new)``: ``num_cached`` tokens

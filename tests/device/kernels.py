@@ -1,6 +1,6 @@
 """Stage 1: the Triton kernels on the GPU against the reference attention.
 
-The interpreter's cases (tests/unit/test_triton_attention.py) in float32 and
+The interpreter's cases (tests/unit/worker/test_triton_attention.py) in float32 and
 bfloat16, then large shapes (long contexts, big batches, Llama-3-8B's heads),
 then the decode and prefill kernels' time against the reference at one large
 shape. ``--cpu-dry-run`` runs the first few cases under the interpreter.

@@ -8,7 +8,7 @@ multi-token chunks; every kernel writes into one preallocated output.
 
 Registered for ``cuda`` with the best auto rank, so ``--attention-backend auto``
 picks it on a GPU. The same kernels run on CPU tensors under ``TRITON_INTERPRET=1``
-(tests/unit/test_triton_attention.py), which is how they are checked against
+(tests/unit/worker/test_triton_attention.py), which is how they are checked against
 the reference backend without a GPU.
 """
 

@@ -23,7 +23,7 @@ from services.gateway.api.app import build_app
 from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 from tests.redis_server import RedisServer
-from tests.unit.test_gateway_support import GatewayServer, build_tiny_tokenizer
+from tests.unit.gateway.test_gateway_support import GatewayServer, build_tiny_tokenizer
 
 ADMIN = "admin-sekrit"
 USER = "user-key"

@@ -100,7 +100,7 @@ def test_without_vnni_weights_get_seven_bits_and_the_products_stay_right() -> No
     8 bits. Either way the probe's answer and the weights agree, and the product is right."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WITHOUT_VNNI], env=env, capture_output=True, text=True,
-                         timeout=120, check=True, cwd=Path(__file__).resolve().parents[2])
+                         timeout=120, check=True, cwd=Path(__file__).resolve().parents[3])
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if got["exact127"]:
         assert got["wmax"] == 127 and "7 bits" not in out.stderr, (got, out.stderr)

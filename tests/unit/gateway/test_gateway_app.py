@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.unit.test_gateway_support import FakeScheduler, running_env, wait_until
-from tests.unit.test_gateway_support import GatewayEnv as Env
+from tests.unit.gateway.test_gateway_support import FakeScheduler, running_env, wait_until
+from tests.unit.gateway.test_gateway_support import GatewayEnv as Env
 
 
 @pytest.fixture(scope="module")

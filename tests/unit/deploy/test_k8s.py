@@ -4,7 +4,7 @@
   strictly (unknown fields are errors), with ``kubernetes-validate``;
 - the kustomization lists exactly the manifests in the folder;
 - every ferry container's command and FERRY_* environment is accepted by that
-  service's own parser (as tests/unit/test_compose.py does for compose), with
+  service's own parser (as tests/unit/deploy/test_compose.py does for compose), with
   Kubernetes' ``$(VAR)`` references expanded;
 - the same images and the same FERRY_* variables as docker-compose.yml;
 - the probes, GPU requests, disruption budgets and the autoscaler are there and
@@ -21,9 +21,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.unit.test_compose import NON_CONFIG_ENV, PARSERS, build_parser, interpolate, load_compose
+from tests.unit.deploy.test_compose import NON_CONFIG_ENV, PARSERS, build_parser, interpolate, load_compose
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.32.0"  # a release current clusters run; the schemas ship inside the package
 _REF = re.compile(r"\$\((\w+)\)")

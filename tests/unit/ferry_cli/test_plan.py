@@ -20,10 +20,10 @@ from ferry_cli.plan_devices import (
     with_prices,
 )
 from shared import capacity as cap
-from tests.unit.test_capacity import LLAMA2_7B, LLAMA3_8B
+from tests.unit.shared.test_capacity import LLAMA2_7B, LLAMA3_8B
 
 H100 = parse_device("h100")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 

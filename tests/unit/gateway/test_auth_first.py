@@ -33,7 +33,7 @@ from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 from shared.config_checks import config_errors
 from tests.redis_server import BUSY_HOST_REDIS_TIMEOUT_S, RedisServer
-from tests.unit.test_gateway_support import GatewayServer, build_tiny_tokenizer
+from tests.unit.gateway.test_gateway_support import GatewayServer, build_tiny_tokenizer
 
 KEY = "user-key"
 ADMIN = "admin-key"

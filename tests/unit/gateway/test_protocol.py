@@ -19,9 +19,9 @@ from fastapi.testclient import TestClient
 from services.gateway.api.app import build_app
 from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
-from tests.unit.test_gateway_support import MAX_MODEL_LEN, build_tiny_tokenizer
+from tests.unit.gateway.test_gateway_support import MAX_MODEL_LEN, build_tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

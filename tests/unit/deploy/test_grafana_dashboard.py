@@ -21,7 +21,7 @@ from services.gateway.observability.dashboard import make_dashboard_router
 from services.gateway.observability.metrics import GatewayMetrics, RequestRecord
 from shared.messages import EngineStats, RequestSummary, RequestTimings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "ferry.json"
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"

@@ -24,9 +24,9 @@ from services.gateway.api.state import GatewayState, InflightLimiter, drain_retr
 from services.gateway.engines.engine_client import EngineClient
 from shared.config import GatewayConfig
 from shared.messages import EngineStats
-from tests.unit.test_gateway_app import COMPLETION, sse_events
-from tests.unit.test_gateway_support import FakeScheduler, running_env, wait_until
-from tests.unit.test_gateway_support import GatewayEnv as Env
+from tests.unit.gateway.test_gateway_app import COMPLETION, sse_events
+from tests.unit.gateway.test_gateway_support import FakeScheduler, running_env, wait_until
+from tests.unit.gateway.test_gateway_support import GatewayEnv as Env
 
 TIMING_KEYS = {"queue_time_s", "prefill_time_s", "decode_time_s", "ttft_s", "e2e_s", "num_preemptions"}
 

@@ -1,7 +1,7 @@
 """A stream whose client stops reading is ended after the stall timeout, and only then.
 
 Unit test of ``_DisconnectAwareStream`` alone: ASGI ``send`` and ``receive`` are
-plain coroutines here (the real server is covered by tests/unit/test_gateway_app.py).
+plain coroutines here (the real server is covered by tests/unit/gateway/test_gateway_app.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = ROOT / "docker-compose.yml"
 NON_CONFIG_ENV = {"FERRY_LOG_LEVEL"}
 

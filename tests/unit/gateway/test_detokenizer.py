@@ -16,7 +16,7 @@ from services.gateway.text.detokenizer import (
     make_detokenizer,
 )
 from services.gateway.text.tokenizer import GatewayTokenizer, gateway_tokenizer_dir
-from tests.unit.test_gateway_support import build_tiny_tokenizer
+from tests.unit.gateway.test_gateway_support import build_tiny_tokenizer
 
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -213,7 +213,7 @@ def test_a_full_queue_sends_the_request_to_an_engine_with_room(fakes: list[FakeS
 
 def test_each_engine_s_counters_advance_by_its_own_totals() -> None:
     from services.gateway.engines.engine_pool import engine_metrics
-    from tests.unit.test_metrics import stats, value
+    from tests.unit.gateway.test_metrics import stats, value
 
     base = GatewayMetrics("m")
     one = engine_metrics(base, "1")

@@ -119,7 +119,7 @@ def _faults(mode: str, env: dict[str, str] | None = None) -> int:
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", _ROUNDS, mode], capture_output=True, text=True, check=True,
-                         env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                         env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     return int(out.stdout.split()[-1])
 
 

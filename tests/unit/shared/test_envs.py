@@ -22,7 +22,7 @@ import pytest
 
 from shared import envs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TREES = ("services", "shared", "loadtests", "ferry_cli", "benchmarks")  # the shipped tree and the studies
 ALLOWED_READERS = {"shared/envs.py", "shared/config.py"}
 KERNEL_DIRS = ("services/kernels/", "services/worker/backends/")  # the kernels' loader and C++ sources

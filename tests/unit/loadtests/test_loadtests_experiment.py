@@ -17,7 +17,7 @@ from loadtests.experiment import (
 )
 from loadtests.server import ServerSpec, knob_flags, server_argv
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "loadtests" / "experiments").glob("*.toml"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "loadtests" / "experiments").glob("*.toml"))
 
 MINIMAL = """
 title = "t"

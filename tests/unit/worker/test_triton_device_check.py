@@ -12,7 +12,7 @@ import pytest
 
 from tests.device.report import goals, load
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_goals_judged_from_numbers_and_missing_is_not_a_pass(tmp_path: Path) -> None:

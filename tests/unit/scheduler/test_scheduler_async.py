@@ -18,7 +18,7 @@ import pytest
 from services.scheduler.scheduler import Scheduler
 from shared.messages import StepPlan, StepResult
 from tests.scheduler_fakes import Driver, FakeClock, expected_tokens, make_request, small_config
-from tests.unit.test_scheduler_worker_batch import MirroredWorker
+from tests.unit.scheduler.test_scheduler_worker_batch import MirroredWorker
 
 
 class AsyncDriver(Driver):
