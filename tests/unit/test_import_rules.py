@@ -208,6 +208,40 @@ def test_no_import_circle_in_the_gateway() -> None:
     assert import_cycles("services/gateway") == []
 
 
+def part_graph(folder: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """Which parts (the sub-packages and top modules of ``folder``) import which others."""
+    prefix = folder.replace("/", ".") + "."
+    graph: dict[str, set[str]] = {}
+    for path in sorted((root / folder).rglob("*.py")):
+        part = path.relative_to(root / folder).parts[0].removesuffix(".py")
+        edges = graph.setdefault(part, set())
+        for name in imported_modules(path, root):
+            if name.startswith(prefix):
+                other = name[len(prefix):].split(".")[0]
+                if other != part:
+                    edges.add(other)
+    return graph
+
+
+def test_the_gateways_parts_are_layered() -> None:
+    """No circle between the parts either: api composes the others, which share only the
+    errors and the protocol (and engines reads the metrics' label vocabulary)."""
+    graph = part_graph("services/gateway")
+    assert {"api", "text", "admission", "engines", "observability"} <= set(graph)
+    seen: dict[str, int] = {}
+
+    def cyclic(node: str) -> bool:  # depth-first search: 1 on the path, 2 done
+        seen[node] = 1
+        for nxt in graph.get(node, set()):
+            if seen.get(nxt) == 1 or (nxt not in seen and cyclic(nxt)):
+                return True
+        seen[node] = 2
+        return False
+
+    assert not any(cyclic(n) for n in sorted(graph) if n not in seen), graph
+    assert "api" not in set().union(*(graph[p] for p in graph if p != "__main__"))  # nothing below api reaches up
+
+
 def test_the_checkers_see_type_checking_and_function_level_imports(tmp_path: Path) -> None:
     """A circle or a socket import hidden behind TYPE_CHECKING or inside a function counts."""
     pkg = tmp_path / "services" / "scheduler"

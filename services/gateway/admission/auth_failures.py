@@ -32,8 +32,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.api.errors import APIError
-from services.gateway.api.middleware import drain, send_error
+from services.gateway.errors import APIError, drain, send_error
 
 log = logging.getLogger("ferry.gateway.auth")
 

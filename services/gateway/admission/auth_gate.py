@@ -28,8 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.gateway.admission.auth import AdmissionError, parse_bearer
 from services.gateway.admission.auth_failures import AuthFailures, closes_connection, header_of
 from services.gateway.admission.ops_auth import is_ops_path
-from services.gateway.api.errors import APIError
-from services.gateway.api.middleware import drain, send_error
+from services.gateway.errors import APIError, drain, send_error
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 KEYED_PATHS = ("/tokenize", "/detokenize")

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.admission.auth_failures import AuthFailures
-from services.gateway.api.errors import APIError
+from services.gateway.errors import APIError
 
 OPS_PATHS = ("/metrics", "/v1/config")
 OPS_PREFIXES = ("/dashboard",)

@@ -20,13 +20,13 @@ from services.gateway.admission.auth import AdmissionError
 from services.gateway.admission.auth_failures import AuthFailures, FailureThrottle, Throttled, TrustedProxies
 from services.gateway.admission.auth_gate import GENERATION_PATHS, AuthGate
 from services.gateway.admission.ops_auth import OpsAuth, is_loopback, static_admin_check
-from services.gateway.api.errors import APIError, bad_request, install_error_handlers
 from services.gateway.api.middleware import RequestGuard
-from services.gateway.api.protocol import DetokenizeRequest, TokenizeRequest
 from services.gateway.api.serving import router as serving_router
 from services.gateway.api.state import build_state, ferry_version, state_of
 from services.gateway.api.validation import check_model, render_chat
+from services.gateway.errors import APIError, bad_request, install_error_handlers
 from services.gateway.observability.dashboard import make_dashboard_router
+from services.gateway.protocol import DetokenizeRequest, TokenizeRequest
 from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig
 

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.api.errors import APIError, bad_request
+from services.gateway.errors import APIError, bad_request
 
 MAX_JSON_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")

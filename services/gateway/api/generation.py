@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.gateway.api.errors import APIError, retry_after_header, unavailable
 from services.gateway.api.validation import GenerationSpec
 from services.gateway.engines.engine_client import (
     EngineClient,
@@ -34,6 +33,7 @@ from services.gateway.engines.engine_client import (
     RequestQueue,
 )
 from services.gateway.engines.engine_pool import EnginePool
+from services.gateway.errors import APIError, retry_after_header, unavailable
 from services.gateway.observability.metrics import GatewayMetrics, RequestRecord
 from services.gateway.text.detokenizer import TextStream
 from services.gateway.text.tokenizer import GatewayTokenizer

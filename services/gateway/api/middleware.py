@@ -20,25 +20,13 @@ connection:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.api.body_check import RequestLimits, check_body
-from services.gateway.api.errors import APIError
-
-DRAIN_MAX_BYTES = 64 << 20  # read at most this much of a refused body before closing anyway
-DRAIN_MAX_S = 10.0
-
-
-async def send_error(send: Send, err: APIError) -> None:
-    body = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (err.headers or {}).items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+from services.gateway.errors import APIError, drain, send_error
 
 
 def _too_large(limit: int, size: int | None = None) -> APIError:
@@ -126,25 +114,6 @@ class RequestGuard:
             chunks.append(body)
             if not message.get("more_body"):
                 return b"".join(chunks)
-
-
-async def drain(receive: Receive) -> None:
-    """Read and discard the rest of a refused body (bounded), so the answer reaches the client."""
-    drained = 0
-    deadline = time.monotonic() + DRAIN_MAX_S
-    while drained < DRAIN_MAX_BYTES:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        try:
-            message = await asyncio.wait_for(receive(), left)
-        except TimeoutError:
-            return
-        if message["type"] != "http.request":
-            return
-        drained += len(message.get("body", b""))
-        if not message.get("more_body"):
-            return
 
 
 def _replay(raw: bytes, receive: Receive) -> Receive:

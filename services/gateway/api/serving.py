@@ -38,12 +38,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.admission.auth import AdmissionError, Grant
-from services.gateway.api.errors import APIError
 from services.gateway.api.generation import ChoiceEvent, Generation
-from services.gateway.api.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.api.render import ChatRenderer, CompletionRenderer, Renderer, sse
 from services.gateway.api.state import GatewayState, InflightSlot, state_of
 from services.gateway.api.validation import GenerationSpec, validate_chat, validate_completion
+from services.gateway.errors import APIError
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.text.structured import wants_grammar
 
 log = logging.getLogger("ferry.gateway.requests")

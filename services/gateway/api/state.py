@@ -34,9 +34,9 @@ from fastapi import Request
 
 from services.gateway.admission.auth import Admission
 from services.gateway.api.body_check import RequestLimits
-from services.gateway.api.errors import APIError, retry_after_header
 from services.gateway.api.validation import ServingLimits
 from services.gateway.engines.engine_pool import EnginePool
+from services.gateway.errors import APIError, retry_after_header
 from services.gateway.observability.metrics import GatewayMetrics
 from services.gateway.text.tokenizer import GatewayTokenizer, load_gateway_tokenizer
 from services.gateway.text.tool_parsers import make_parser

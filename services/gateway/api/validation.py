@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.api.errors import APIError, bad_request
-from services.gateway.api.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.errors import APIError, bad_request
+from services.gateway.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.text import structured
 from services.gateway.text.tokenizer import ChatTemplateError, GatewayTokenizer
 from services.gateway.text.tools import ToolPlan, plan_tools

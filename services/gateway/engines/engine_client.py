@@ -42,15 +42,17 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from services.gateway.engines.resume import (
-    CAUSE_CONNECTION_LOST,
-    CAUSE_NEW_INCARNATION,
-    CAUSE_SILENT,
     EngineFailure,
     RequestQueue,
     Resumable,
     Stream,
     StreamItem,
     StreamTable,
+)
+from services.gateway.observability.metrics_families import (
+    CAUSE_CONNECTION_LOST,
+    CAUSE_NEW_INCARNATION,
+    CAUSE_SILENT,
 )
 from shared.messages import (
     AbortRequest,

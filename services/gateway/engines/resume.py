@@ -29,12 +29,6 @@ from typing import Protocol
 
 from shared.messages import AddRequest, RequestDelta, RequestRejected
 
-# why the gateway resumed requests: the label of ferry:requests_resumed_total
-CAUSE_CONNECTION_LOST = "connection_lost"
-CAUSE_SILENT = "scheduler_silent"
-CAUSE_NEW_INCARNATION = "new_incarnation"
-RESUME_CAUSES = (CAUSE_CONNECTION_LOST, CAUSE_SILENT, CAUSE_NEW_INCARNATION)
-
 
 @dataclass(frozen=True)
 class EngineFailure:

@@ -37,13 +37,13 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import MetricWrapperBase
 
-from services.gateway.engines.resume import RESUME_CAUSES
 from services.gateway.observability.metrics_families import (
     DELIVERY_BUCKETS,
     FINE_REQUEST_BUCKETS,
     ITL_BUCKETS,
     N_BUCKETS,
     REQUEST_BUCKETS,
+    RESUME_CAUSES,
     STEP_SEQ_BUCKETS,
     STEP_TIME_BUCKETS,
     STEP_TOKEN_BUCKETS,

@@ -15,6 +15,12 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+# why the gateway resumed requests: the label of ferry:requests_resumed_total
+CAUSE_CONNECTION_LOST = "connection_lost"
+CAUSE_SILENT = "scheduler_silent"
+CAUSE_NEW_INCARNATION = "new_incarnation"
+RESUME_CAUSES = (CAUSE_CONNECTION_LOST, CAUSE_SILENT, CAUSE_NEW_INCARNATION)
+
 # Bucket edges follow vLLM's so quantiles line up when both are on one dashboard.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.gateway.api.errors import APIError, bad_request
-from services.gateway.api.protocol import ChatCompletionRequest, SamplingFields
+from services.gateway.errors import APIError, bad_request
+from services.gateway.protocol import ChatCompletionRequest, SamplingFields
 from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.grammar import (
     GrammarError,

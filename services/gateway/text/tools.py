@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.api.errors import bad_request
-from services.gateway.api.protocol import ChatCompletionRequest
+from services.gateway.errors import bad_request
+from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.text.tool_parsers import make_parser
 from services.gateway.text.tool_parsers.base import ParsedCall, ToolParser, call_id
 from services.gateway.text.tool_parsers.forced import ForcedCallParser, forced_call_schema

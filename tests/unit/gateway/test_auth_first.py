@@ -27,7 +27,7 @@ from services.gateway.admission.auth import Admission
 from services.gateway.admission.auth_failures import FailureThrottle, TrustedProxies
 from services.gateway.admission.keystore import KeyStore, sync_client
 from services.gateway.api.app import build_app
-from services.gateway.api.errors import APIError
+from services.gateway.errors import APIError
 from services.gateway.text.structured import GrammarChecker
 from services.gateway.text.tokenizer import GatewayTokenizer
 from shared.config import GatewayConfig

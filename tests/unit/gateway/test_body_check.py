@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from services.gateway.api.body_check import MAX_JSON_DEPTH, RequestLimits, check_body
-from services.gateway.api.errors import APIError
+from services.gateway.errors import APIError
 
 LIMITS = RequestLimits(max_stop_strings=3, max_logit_bias=4, max_messages=5, max_tools=2, max_prompts=3,
                        max_list_items=10, max_token_ids=8)

@@ -61,7 +61,7 @@ def test_forced_parsers() -> None:
 
 
 def test_forced_schema_shapes() -> None:
-    from services.gateway.api.protocol import Tool
+    from services.gateway.protocol import Tool
 
     tools = [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
              Tool.model_validate({"type": "function", "function": {"name": "g"}})]

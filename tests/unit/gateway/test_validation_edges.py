@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.gateway.api.protocol import MAX_LOGPROBS, MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from services.gateway.protocol import MAX_LOGPROBS, MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from tests.unit.gateway.test_gateway_support import MAX_MODEL_LEN, FakeScheduler, running_env
 from tests.unit.gateway.test_gateway_support import GatewayEnv as Env
 

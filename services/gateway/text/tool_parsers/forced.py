@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from services.gateway.api.protocol import Tool
+from services.gateway.protocol import Tool
 from services.gateway.text.tool_parsers.base import ParsedCall, ToolParser, call_of
 
 

@@ -8,9 +8,11 @@ client never sees a second error format.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Send
 
 log = logging.getLogger("ferry.gateway")
 
@@ -154,3 +157,36 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)
+
+
+# -- answering a refusal at the ASGI level (the middlewares, before any route) --
+
+DRAIN_MAX_BYTES = 64 << 20  # read at most this much of a refused body before closing anyway
+DRAIN_MAX_S = 10.0
+
+
+async def send_error(send: Send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (err.headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def drain(receive: Receive) -> None:
+    """Read and discard the rest of a refused body (bounded), so the answer reaches the client."""
+    drained = 0
+    deadline = time.monotonic() + DRAIN_MAX_S
+    while drained < DRAIN_MAX_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
