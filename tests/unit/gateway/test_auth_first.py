@@ -372,3 +372,12 @@ def test_a_cached_valid_key_costs_no_extra_redis_round_trip() -> None:
 def test_the_knobs_are_checked(field: str, value: Any, ok: bool) -> None:
     errors = config_errors(GatewayConfig(**{field: value}))
     assert (errors == []) is ok, errors
+
+
+def test_a_closing_connection_still_reads_its_401(gw: tuple[Gateway, httpx.Client]) -> None:
+    """Connection: close: the refused body is drained first, so the client is not reset mid-send."""
+    g, http = gw
+    resp = http.post("/v1/chat/completions", content=chat_body(MAX_BODY),
+                     headers={"content-type": "application/json", "connection": "close"})
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    assert g.spies.calls == {}
