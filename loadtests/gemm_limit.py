@@ -15,7 +15,7 @@ generate ``output_tokens`` tokens, those products have known shapes:
 dtype, through both of PyTorch's CPU GEMM libraries: ``torch.matmul`` (MKL in float32,
 oneDNN in bfloat16) and oneDNN on a weight packed once into its blocked layout
 (``mkldnn._linear_pointwise``, what vLLM's CPU linears call), and in bfloat16 through
-ferry's tiled kernel where this CPU has it (services/worker/backends/csrc/tiled_linear.cpp,
+ferry's tiled kernel where this CPU has it (services/kernels/csrc/tiled_linear.cpp,
 what ferry's bfloat16 linears call since the nineteenth session: faster than oneDNN at
 decode sizes) and, on a CPU with AMX, ferry's AMX tile products over the same tiles (what
 its linears call there past 6 rows; since the twenty-ninth session), and keeps the best of a

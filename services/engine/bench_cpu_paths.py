@@ -80,7 +80,7 @@ def part_linear() -> list[dict[str, Any]]:
 
 
 def part_sdpa() -> list[dict[str, Any]]:
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     kernel = load_extension()
     rows = []
@@ -129,7 +129,7 @@ def part_decode() -> list[dict[str, Any]]:
     a long-running server's free list ends up) and ``resident`` (every request on the same 17
     blocks of one layer: cache-resident, the kernel's compute alone). A plain sum over as many
     bytes gives the machine's streaming read rate beside it."""
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     kernel = load_extension()
     rng = random.Random(0)
@@ -171,7 +171,7 @@ def part_flex() -> list[dict[str, Any]]:
     (fresh layout), query blocks of 1 and 16 rows; against ``cpu_paged``'s kernel on the same data."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     kernel = load_extension()
     rng = random.Random(0)
@@ -219,7 +219,7 @@ def part_flex() -> list[dict[str, Any]]:
 def part_fused() -> list[dict[str, Any]]:
     from transformers.models.llama import modeling_llama
 
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     kernel = load_extension()
     rope = getattr(modeling_llama.apply_rotary_pos_emb, "ferry_original", modeling_llama.apply_rotary_pos_emb)

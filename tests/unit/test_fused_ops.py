@@ -1,4 +1,4 @@
-"""Fused CPU ops, bfloat16 and float32 (services/worker/fused_ops.py, backends/csrc/fused_ops.cpp).
+"""Fused CPU ops, bfloat16 and float32 (services/worker/fused_ops.py, services/kernels/csrc/fused_ops.cpp).
 
 Each kernel against the transformers code it replaces, on random inputs: the rotary
 embedding bit for bit in both dtypes (also on the strided q/k views the fused q/k/v

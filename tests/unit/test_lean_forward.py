@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from services.kernels.build import cpu_flag
 from services.worker import fused_ops
 from services.worker.attention import ATTN_IMPLEMENTATION, StepAttention, register_paged_attention
-from services.worker.backends import cpu_paged, select_backend
+from services.worker.backends import select_backend
 from services.worker.backends.build import build_paged_batch
 from services.worker.kv_cache import KVCache
 from services.worker.lean_forward import DECODE_LAYER_PARTS, LeanDecoder
@@ -174,7 +175,7 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(monkeypatch: pytest.Monke
     loop = LeanDecoder.build(body, ops)
     assert one_call is not None and loop is not None and one_call.decode_args is not None
     # auto: the tiled kernel takes every row without AMX, none with it (the AMX products from one row)
-    want_rows = 2 if split else 0 if cpu_paged.cpu_flag("amx_bf16") and ops.tiled_amx(-1) else 1 << 62
+    want_rows = 2 if split else 0 if cpu_flag("amx_bf16") and ops.tiled_amx(-1) else 1 << 62
     assert one_call.decode_args.rows == want_rows
     if split != "onednn" and ops.tiled_amx(-1):
         # the AMX products take every projection's prompt rows too (FERRY_CPU_AMX_PROMPT's

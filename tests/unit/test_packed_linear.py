@@ -494,9 +494,9 @@ def test_tiled_kernel_takes_every_product_without_amx(monkeypatch: pytest.Monkey
     k = _tiled_kernels()
     if not _bf16_packing_exact_here():
         pytest.skip("bfloat16 on AVX2: nothing is packed")
-    import services.worker.backends.cpu_paged as cpu_paged
+    from services.kernels import ops
 
-    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name: False)
+    monkeypatch.setattr(ops, "cpu_flag", lambda name: False)
     gen = torch.Generator().manual_seed(4)
     model = _two_layers(gen)
     plain = copy.deepcopy(model)
@@ -529,11 +529,11 @@ def test_tiled_kernel_takes_six_rows_at_most_beside_onednn(monkeypatch: pytest.M
     k = _tiled_kernels()
     if not _bf16_packing_exact_here():
         pytest.skip("bfloat16 on AVX2: nothing is packed")
-    import services.worker.backends.cpu_paged as cpu_paged
+    from services.kernels import ops
 
     if setting == "small":
         monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "small")
-    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name: setting == "amx" and name == "amx_bf16")
+    monkeypatch.setattr(ops, "cpu_flag", lambda name: setting == "amx" and name == "amx_bf16")
     gen = torch.Generator().manual_seed(5)
     model = _two_layers(gen)
     plain = copy.deepcopy(model)

@@ -1,4 +1,4 @@
-"""``--quantization int8`` layers (services/worker/quantize.py, backends/csrc/int8_ops.cpp).
+"""``--quantization int8`` layers (services/worker/quantize.py, services/kernels/csrc/int8_ops.cpp).
 
 The W8A8 linear against ``F.linear`` (close, not equal: it rounds on purpose), the CPU
 kernels' quantize/dequantize passes against the PyTorch ops they replace (bit for bit,
