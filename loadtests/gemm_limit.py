@@ -119,7 +119,7 @@ def _rates(m: int, k: int, n: int, dtype: Any, min_s: float, trials: int) -> dic
 def _tiled_kernels() -> Any | None:
     """ferry's tiled bfloat16 kernel, where this CPU and build have it (else None)."""
     try:
-        from services.worker.packed_linear import _tiled_kernels as load
+        from services.worker.model.packed_linear import _tiled_kernels as load
     except ImportError:
         return None
     return load()

@@ -16,7 +16,7 @@ busy machine use ``bench_parts``' process CPU times instead).
 - ``flex``: PyTorch's FlexAttention (compiled) as a paged decode with a block mask, one layer,
   against ``cpu_paged``.
 - ``fused``: transformers' bfloat16 RMSNorm, rotary embedding and ``silu(gate) * up``
-  against ferry's fused kernels (``services/worker/fused_ops.py``) at M = 64 and 2048.
+  against ferry's fused kernels (``services/worker/model/fused_ops.py``) at M = 64 and 2048.
 - ``lmhead``: the tied LM head (49,152 x 576) at M = 1, 8, 64: ``F.linear`` and packed.
 - ``int8``: ``--quantization int8``'s W8A8 layer (quantize, ``torch._int_mm``, dequantize) and
   weight-only int8 (``torch._weight_int8pack_mm``) against packed bfloat16.
@@ -264,7 +264,7 @@ def part_lmhead() -> list[dict[str, Any]]:
 def part_int8() -> list[dict[str, Any]]:
     from torch import nn
 
-    from services.worker.quantize import Int8Linear, int8_kernels
+    from services.worker.model.quantize import Int8Linear, int8_kernels
 
     lp, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
     kernels = int8_kernels()

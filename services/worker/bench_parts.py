@@ -101,7 +101,7 @@ def sampler() -> dict[str, float]:
     ``argmax_rows``/``sample_rows``/``race_rows`` (greedy and temperature-only rows; the filtered rows
     take the same path either way): 8 rows of float32 logits, and a decode step's 64 rows
     of bfloat16 logits."""
-    from .fused_ops import kernels
+    from .model.fused_ops import kernels
 
     ops = kernels()
     samplers = {"torch": Sampler(torch.device("cpu"))}

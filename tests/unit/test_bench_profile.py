@@ -54,7 +54,7 @@ def test_the_gated_products_count_as_linear(tmp_path: Path, monkeypatch: pytest.
     exceed it. (The CPU taken as one without AMX: with AMX the prompts' products, and 8-row
     decode steps', would stay on oneDNN and the gated kernel would never run.)"""
     from services.kernels import ops
-    from services.worker.fused_ops import FusedSiluMLP
+    from services.worker.model.fused_ops import FusedSiluMLP
 
     monkeypatch.setattr(ops, "cpu_flag", lambda name, real=ops.cpu_flag: name != "amx_bf16" and real(name))
     llm = _wide_llm(tmp_path, hidden_size=256, num_hidden_layers=1, num_attention_heads=4)

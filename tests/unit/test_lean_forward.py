@@ -1,4 +1,4 @@
-"""The lean CPU forward (services/worker/lean_forward.py) against transformers' own.
+"""The lean CPU forward (services/worker/model/lean_forward.py) against transformers' own.
 
 Random Llama, Mistral and Qwen2 (q/k/v biases) models: in bfloat16 and float32 with
 every swap of packed_linear and fused_ops made (the fused mode), and untouched in float32
@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from services.kernels.build import cpu_flag
-from services.worker import fused_ops
-from services.worker.attention import ATTN_IMPLEMENTATION, StepAttention, register_paged_attention
 from services.worker.backends import select_backend
 from services.worker.backends.build import build_paged_batch
 from services.worker.kv_cache import KVCache
-from services.worker.lean_forward import DECODE_LAYER_PARTS, LeanDecoder
-from services.worker.packed_linear import PackedLinear, fuse_projections, pack_linears
+from services.worker.model import fused_ops
+from services.worker.model.attention import ATTN_IMPLEMENTATION, StepAttention, register_paged_attention
+from services.worker.model.lean_forward import DECODE_LAYER_PARTS, LeanDecoder
+from services.worker.model.packed_linear import PackedLinear, fuse_projections, pack_linears
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16

@@ -34,7 +34,7 @@ import torch
 
 from services.kernels import ops
 
-from ..packed_linear import fast_cpu_dtype
+from ..model.packed_linear import fast_cpu_dtype
 from . import PagedBatch, register_backend
 from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata
 

@@ -44,8 +44,8 @@ import torch
 
 from services.kernels import ops
 
+from ..backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from .attention import StepAttention
-from .backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from .fused_ops import FusedRMSNorm, FusedSiluMLP
 from .packed_linear import FusedHead, PackedLinear
 
