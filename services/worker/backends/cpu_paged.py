@@ -35,7 +35,7 @@ import torch
 from services.kernels import ops
 
 from ..model.packed_linear import fast_cpu_dtype
-from . import PagedBatch, register_backend
+from .base import PagedBatch, register_backend
 from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata
 
 
