@@ -74,9 +74,10 @@ def build(texts: dict[str, str]) -> Any:
     """The prompt kernels of these sources, built (cached by their hash) as an extension of their own."""
     from torch.utils.cpp_extension import load_inline
 
+    from services.kernels.build import cflags as build_cflags
     from services.kernels.build import cpu_march
 
-    cflags = ["-O3", f"-march={cpu_march()}", "-fopenmp", "-fno-trapping-math"]
+    cflags = build_cflags(cpu_march())
     key = hashlib.sha256(("".join(texts.get(n, "") for n in (KERNEL, *HEADERS)) + " ".join(cflags)).encode()).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / f"ferry_prompt_attention_{key}"
     folder.mkdir(exist_ok=True)
