@@ -19,12 +19,12 @@ $(STAMP): pyproject.toml
 run: install kernels
 	$(VENV)/bin/ferry serve
 
-# The CPU attention kernel (services/worker/backends/cpu_paged.py), compiled once per source
-# and CPU into torch's extension cache, so no worker pays for it at start-up; without a C++
-# compiler this only warns and workers use the reference backend.
+# The CPU kernels (services/kernels/), one build per instruction-set level this CPU runs
+# (AVX2, AVX-512, AVX-512+BF16, AMX), compiled into torch's extension cache, so no worker pays
+# for it at start-up; without a C++ compiler this only warns and workers use PyTorch's ops.
 .PHONY: kernels
 kernels: install
-	$(PY) -c 'from services.worker.backends.cpu_paged import prebuild; prebuild()'
+	$(PY) -m services.kernels.build
 
 lint: install
 	$(VENV)/bin/ruff check services shared loadtests ferry_cli benchmarks tests

@@ -278,7 +278,7 @@ def weight_bytes(config: Mapping[str, Any], dtype: str) -> int:
 
 
 def int8_weight_bytes(config: Mapping[str, Any], dtype: str = "float32") -> int:
-    """Bytes the weights take under ``--quantization int8`` (services/worker/quantize.py).
+    """Bytes the weights take under ``--quantization int8`` (services/worker/model/quantize.py).
 
     The decoder's linear layers become W8A8 layers, q/k/v and gate/up fused into one each:
     one byte per weight, plus float32 per output channel (the weight's scale, the bias

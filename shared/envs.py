@@ -138,7 +138,7 @@ def _amx_prompt(text: str) -> frozenset[str] | None:
 
 
 def _march(text: str) -> str:
-    march = text.strip() or "native"
+    march = text.strip()  # '': the widest build this CPU runs (services/kernels/build.py)
     if not all(c.isalnum() or c in "-_." for c in march):
         raise ValueError("not a -march value")
     return march
@@ -200,8 +200,9 @@ CPU_FLOAT32_EXACT = _declare(
     "the reference for A/B runs.",
     off_unless_on)
 CPU_MARCH = _declare(
-    "FERRY_CPU_MARCH", "native", "a `-march` value, e.g. x86-64-v3",
-    "The instruction set the CPU kernels are built for (x86-64-v3: the AVX2 paths, on any newer CPU).",
+    "FERRY_CPU_MARCH", "", "avx2, avx512, avx512_bf16, amx, or a `-march` value",
+    "Which CPU kernel build to load ('': the widest of the four this CPU runs; avx2: the AVX2 paths on any "
+    "newer CPU; a -march value such as native builds that one).",
     _march, reader="kernels")
 CPU_POOL_SPIN_US = _declare(
     "FERRY_CPU_POOL_SPIN_US", "200", "microseconds",

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.bench_io import openmp_policy
 from services.engine.offline import LLM, GenerationParams
-from services.worker.lean_forward import DECODE_LAYER_PARTS
+from services.worker.model.lean_forward import DECODE_LAYER_PARTS
 from services.worker.runner import set_num_threads
 
 

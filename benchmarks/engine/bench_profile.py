@@ -98,7 +98,7 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any, lean: Any = 
 
     Parts are recognized by the code objects of the model's own modules (cProfile keys
     functions by file, line and name), so this follows whatever classes the model uses;
-    with the runner's lean forward (``lean``, services/worker/lean_forward.py) the body is
+    with the runner's lean forward (``lean``, services/worker/model/lean_forward.py) the body is
     its ``__call__``, attention is the backend's ``forward`` it calls, and the CPU kernels it
     calls directly (``add_rms_norm``, ``rotary``, ``silu_and_mul``) count by name; its
     decode steps in one C++ call (``decode_layers``) count by the call's own part clocks.
@@ -108,10 +108,10 @@ def profile_shares(fn: Callable[[], Any], model: Any, sampler: Any, lean: Any = 
     """
     import sys
 
-    from services.worker.attention import paged_attention
-    from services.worker.lean_forward import DECODE_LAYER_PARTS
-    from services.worker.packed_linear import PackedLinear
-    from services.worker.quantize import Int8Linear
+    from services.worker.model.attention import paged_attention
+    from services.worker.model.lean_forward import DECODE_LAYER_PARTS
+    from services.worker.model.packed_linear import PackedLinear
+    from services.worker.model.quantize import Int8Linear
 
     body = model.get_decoder()
     keys: dict[str, set[tuple[str, int, str]]] = {k: set() for k in ("rmsnorm", "rope", "activation")}

@@ -121,7 +121,7 @@ def perplexity(model: str, text: str, num_tokens: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.worker.loader import model_dir
-    from services.worker.quantize import apply_int8, int8_kernels
+    from services.worker.model.quantize import apply_int8, int8_kernels
     from shared.models import resolve_model
 
     folder = model_dir(resolve_model(model))

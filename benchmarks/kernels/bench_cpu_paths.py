@@ -16,7 +16,7 @@ busy machine use ``bench_parts``' process CPU times instead).
 - ``flex``: PyTorch's FlexAttention (compiled) as a paged decode with a block mask, one layer,
   against ``cpu_paged``.
 - ``fused``: transformers' bfloat16 RMSNorm, rotary embedding and ``silu(gate) * up``
-  against ferry's fused kernels (``services/worker/fused_ops.py``) at M = 64 and 2048.
+  against ferry's fused kernels (``services/worker/model/fused_ops.py``) at M = 64 and 2048.
 - ``lmhead``: the tied LM head (49,152 x 576) at M = 1, 8, 64: ``F.linear`` and packed.
 - ``int8``: ``--quantization int8``'s W8A8 layer (quantize, ``torch._int_mm``, dequantize) and
   weight-only int8 (``torch._weight_int8pack_mm``) against packed bfloat16.
@@ -80,7 +80,7 @@ def part_linear() -> list[dict[str, Any]]:
 
 
 def part_sdpa() -> list[dict[str, Any]]:
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     kernel = load_extension()
     rows = []
@@ -129,7 +129,7 @@ def part_decode() -> list[dict[str, Any]]:
     a long-running server's free list ends up) and ``resident`` (every request on the same 17
     blocks of one layer: cache-resident, the kernel's compute alone). A plain sum over as many
     bytes gives the machine's streaming read rate beside it."""
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     kernel = load_extension()
     rng = random.Random(0)
@@ -171,7 +171,7 @@ def part_flex() -> list[dict[str, Any]]:
     (fresh layout), query blocks of 1 and 16 rows; against ``cpu_paged``'s kernel on the same data."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     kernel = load_extension()
     rng = random.Random(0)
@@ -219,7 +219,7 @@ def part_flex() -> list[dict[str, Any]]:
 def part_fused() -> list[dict[str, Any]]:
     from transformers.models.llama import modeling_llama
 
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     kernel = load_extension()
     rope = getattr(modeling_llama.apply_rotary_pos_emb, "ferry_original", modeling_llama.apply_rotary_pos_emb)
@@ -264,7 +264,7 @@ def part_lmhead() -> list[dict[str, Any]]:
 def part_int8() -> list[dict[str, Any]]:
     from torch import nn
 
-    from services.worker.quantize import Int8Linear, int8_kernels
+    from services.worker.model.quantize import Int8Linear, int8_kernels
 
     lp, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
     kernels = int8_kernels()

@@ -1,5 +1,5 @@
 """``python -m benchmarks.kernels.bench_decode_layers``: a decode step's layers in one C++ call
-(``decode_layers``, services/worker/backends/csrc/decode_layers.cpp) against the Python
+(``decode_layers``, services/kernels/csrc/decode_layers.cpp) against the Python
 layer loop, side by side.
 
 - ``body``: one process, the default model in bfloat16 on the tiled kernels. A decode step of

@@ -61,11 +61,17 @@ def load_kernels(tree: Path) -> Any:
         del sys.modules[k]
     sys.path.insert(0, str(tree))
     try:
-        from services.worker.backends import cpu_paged
+        try:  # the kernels package; a revision from before it kept the loader in cpu_paged
+            from services.kernels import build as loader
 
-        if Path(cpu_paged.__file__).resolve().parents[3] != tree.resolve():
-            raise SystemExit(f"{tree} did not provide services.worker.backends.cpu_paged")
-        return cpu_paged.load_extension()
+            depth = 2
+        except ImportError:
+            from services.worker.backends import cpu_paged as loader  # type: ignore[no-redef]
+
+            depth = 3
+        if Path(loader.__file__).resolve().parents[depth] != tree.resolve():
+            raise SystemExit(f"{tree} did not provide services.kernels.build")
+        return loader.load_extension()
     finally:
         sys.path.remove(str(tree))
         for k in [k for k in sys.modules if k == "services" or k.startswith("services.")]:

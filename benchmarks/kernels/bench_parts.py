@@ -100,7 +100,7 @@ def sampler() -> dict[str, float]:
     ``argmax_rows``/``sample_rows``/``race_rows`` (greedy and temperature-only rows; the filtered rows
     take the same path either way): 8 rows of float32 logits, and a decode step's 64 rows
     of bfloat16 logits."""
-    from services.worker.fused_ops import kernels
+    from services.worker.model.fused_ops import kernels
 
     ops = kernels()
     samplers = {"torch": Sampler(torch.device("cpu"))}

@@ -1,5 +1,5 @@
 """``python -m benchmarks.kernels.bench_prompt_attention``: the prompt attention kernel
-(services/worker/backends/csrc/prefill_attention.cpp) against another version of it, side by
+(services/kernels/csrc/prefill_attention.cpp) against another version of it, side by
 side in one process.
 
 ``--against`` names the other version: a git revision (its ``prefill_attention.cpp`` and the
@@ -45,7 +45,7 @@ NEWER_HEADERS = frozenset({"pool.h"})  # absent from older revisions (work_split
 
 
 def _csrc() -> Path:
-    from services.worker.backends.cpu_paged import CSRC
+    from services.kernels.build import CSRC
 
     return CSRC
 
@@ -74,9 +74,10 @@ def build(texts: dict[str, str]) -> Any:
     """The prompt kernels of these sources, built (cached by their hash) as an extension of their own."""
     from torch.utils.cpp_extension import load_inline
 
-    from services.worker.backends.cpu_paged import cpu_march
+    from services.kernels.build import cflags as build_cflags
+    from services.kernels.build import cpu_march
 
-    cflags = ["-O3", f"-march={cpu_march()}", "-fopenmp", "-fno-trapping-math"]
+    cflags = build_cflags(cpu_march())
     key = hashlib.sha256(("".join(texts.get(n, "") for n in (KERNEL, *HEADERS)) + " ".join(cflags)).encode()).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / f"ferry_prompt_attention_{key}"
     folder.mkdir(exist_ok=True)

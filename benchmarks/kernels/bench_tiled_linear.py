@@ -157,8 +157,8 @@ def run_steps(batches: list[int], rounds: int, threads: int) -> list[dict[str, A
 
     os.environ["FERRY_CPU_TILED_LINEAR"] = "small"  # both copies kept; the row limit is switched below
     from services.engine.offline import LLM, GenerationParams
-    from services.worker.fused_ops import FusedSiluMLP
-    from services.worker.packed_linear import ALL_ROWS, PackedLinear
+    from services.worker.model.fused_ops import FusedSiluMLP
+    from services.worker.model.packed_linear import ALL_ROWS, PackedLinear
 
     llm = LLM(dtype="bfloat16", num_threads=threads)
     layers = [m for m in llm.runner.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from services.worker.packed_linear import _tiled_kernels
+    from services.worker.model.packed_linear import _tiled_kernels
 
     kernels = _tiled_kernels()
     if kernels is None:

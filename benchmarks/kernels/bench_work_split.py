@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
     from shared.heap import keep_freed_memory
 
     keep_freed_memory()

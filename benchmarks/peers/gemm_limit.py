@@ -15,7 +15,7 @@ generate ``output_tokens`` tokens, those products have known shapes:
 dtype, through both of PyTorch's CPU GEMM libraries: ``torch.matmul`` (MKL in float32,
 oneDNN in bfloat16) and oneDNN on a weight packed once into its blocked layout
 (``mkldnn._linear_pointwise``, what vLLM's CPU linears call), and in bfloat16 through
-ferry's tiled kernel where this CPU has it (services/worker/backends/csrc/tiled_linear.cpp,
+ferry's tiled kernel where this CPU has it (services/kernels/csrc/tiled_linear.cpp,
 what ferry's bfloat16 linears call: faster than oneDNN at
 decode sizes) and, on a CPU with AMX, ferry's AMX tile products over the same tiles (what
 its linears call there), and keeps the best of a
@@ -119,7 +119,7 @@ def _rates(m: int, k: int, n: int, dtype: Any, min_s: float, trials: int) -> dic
 def _tiled_kernels() -> Any | None:
     """ferry's tiled bfloat16 kernel, where this CPU and build have it (else None)."""
     try:
-        from services.worker.packed_linear import _tiled_kernels as load
+        from services.worker.model.packed_linear import _tiled_kernels as load
     except ImportError:
         return None
     return load()

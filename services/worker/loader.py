@@ -25,7 +25,7 @@ import torch
 from shared import capacity
 from shared.models import ModelSource, converted_root, resolve_model, tokenizer_dir, write_atomically
 
-from .attention import ATTN_IMPLEMENTATION, register_paged_attention
+from .model.attention import ATTN_IMPLEMENTATION, register_paged_attention
 
 log = logging.getLogger("ferry.worker.loader")
 

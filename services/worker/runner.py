@@ -8,7 +8,7 @@ keeps the persistent batch state. ``execute(plan)``:
    positions (``num_computed_tokens`` onwards) and KV slots;
 3. describes the step's attention once as a ``PagedBatch`` (decodes first), lets the
    selected attention backend ``prepare`` it, and runs transformers' model body once
-   with ``ferry_meta`` (see attention.py and backends/);
+   with ``ferry_meta`` (see model/attention.py and backends/);
 4. gathers the hidden state of the last scheduled token of each request that
    samples this step (its chunk reaches the end of its tokens) and applies the
    LM head to those rows only;
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,26 +31,18 @@ from shared.grammar import load_tokenizer
 from shared.messages import StepPlan, StepResult
 from shared.models import resolve_model, tokenizer_dir
 
-from . import tensor_parallel
-from .attention import StepAttention
 from .backends import PagedBatch, select_backend
 from .backends.build import build_paged_batch
 from .batch import BatchState, RequestState
-from .cuda_graphs import graph_batch_sizes, graph_memory_estimate, setup_decode_graphs
-from .cuda_staging import StepStaging
-from .fused_ops import fuse_elementwise
-from .fused_ops import kernels as fused_kernels
+from .cuda.graphs import graph_batch_sizes, graph_memory_estimate, setup_decode_graphs
+from .cuda.staging import StepStaging
 from .kv_cache import FP8, KVCache, kv_cache_torch_dtype, num_blocks_for_budget
-from .lean_forward import LeanDecoder
 from .loader import load_model
 from .logits_processors import ConstraintTracker
-from .packed_linear import (
-    PackedLinear,
-    fuse_projections,
-    pack_linears,
-    share_tied_embedding,
-)
-from .quantize import apply_int8, int8_kernels
+from .model import tensor_parallel
+from .model.attention import StepAttention
+from .model.fused_ops import kernels as fused_kernels
+from .model.prepare import prepare_cpu_weights
 from .sampler import Sampler
 
 log = logging.getLogger("ferry.worker.runner")
@@ -116,63 +107,13 @@ class ModelRunner:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
         self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.kv_dtype, config.device)
         self.kv_cache_bytes = self.kv.nbytes
-        # CPU, bfloat16 and float32: the decoder's linear layers and the LM head multiply against
-        # oneDNN-packed weights (packed_linear.py). A head tied to the embedding gets its own
-        # packed copy (SmolLM2: 57 MB more) for 1.3x at a decode batch of 64 and 1.8x for one
-        # decode (docs/benchmarks.md, "Kernels: linear products"); where that copy is the
-        # tiled kernel's, the embedding reads its rows from it and drops the plain weight.
-        if config.quantization == "int8":
-            # W8A8 (quantize.py): q/k/v and gate/up fused first, so each group is one int8 product
-            ops = int8_kernels()
-            fused, quantized = apply_int8(self.model, self.body, self.vocab_size, ops)
-            log.info("int8: %d linear layers quantized (W8A8, per-token activations, SmoothQuant; %s)",
-                     quantized, "CPU kernels" if ops is not None else "PyTorch ops")
-            packed = 0
-        else:
-            fused = fuse_projections(self.body, self.dtype, self.device)
-            packed = pack_linears(self.body, self.dtype, self.device)
-        if fused:
-            log.info("%d q/k/v and gate/up groups fused", fused)
-        if self.tp is None:
-            # (a model already packed by an earlier runner in this process has no .weight here)
-            tied = getattr(self.lm_head, "weight", None) is self.body.get_input_embeddings().weight
-            head_packed = pack_linears(self.model, self.dtype, self.device)
-            if head_packed:
-                packed += head_packed
-                self.lm_head = self.model.get_output_embeddings()
-                if tied:
-                    own = self.lm_head.packed if self.lm_head.packed is not None else self.lm_head.tiles
-                    log.info("tied LM head packed as its own copy (%d bytes)", own.nbytes)
-                    # ... and the embedding reads its rows from the head's tiles: one copy fewer
-                    shared = share_tied_embedding(self.body, self.lm_head)
-                    if shared:
-                        log.info("tied embedding read from the LM head's tiles (%d bytes of plain weight dropped)",
-                                 shared)
-                # The head never sees more rows than there are requests in a step: where the tiled
-                # kernel and the AMX products take that many, oneDNN's copy is never read
-                head = self.lm_head
-                if isinstance(head, PackedLinear) and head.packed is not None and head.covers(config.max_num_seqs):
-                    dropped = head.packed.nbytes
-                    head.drop_packed(config.max_num_seqs)
-                    log.info("LM head: oneDNN's copy dropped (%d bytes; its products of up to %d rows on the "
-                             "tiled kernels)", dropped, config.max_num_seqs)
-        if packed:
-            log.info("%d linear layers on oneDNN-packed weights", packed)
-        tiles = [m.tiles for m in self.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None]
-        if tiles:
-            splits = Counter(m.split() for m in self.model.modules() if isinstance(m, PackedLinear) and m.tiles is not None)
-            log.info("%d of them on ferry's bfloat16 kernels (%d MB of tiles): %s", len(tiles),
-                     sum(t.nbytes for t in tiles) // 10**6, "; ".join(f"{n} {split}" for split, n in splits.items()))
+        # CPU: fused and packed linears, int8, the tied head and the lean forward (model/prepare.py)
+        prepared = prepare_cpu_weights(self.model, self.dtype, self.device, quantization=config.quantization,
+                                       vocab_size=self.vocab_size, max_num_seqs=config.max_num_seqs,
+                                       tensor_parallel=self.tp is not None)
+        self.lm_head, self.lean = prepared.lm_head, prepared.lean
         if config.quantization == "int8":
             self.weight_bytes = _weight_bytes(self.model)
-        fused_ops = fuse_elementwise(self.body, self.dtype, self.device)
-        if any(fused_ops.values()):
-            log.info("fused CPU ops: %s", ", ".join(f"{n} {k}" for k, n in fused_ops.items()))
-        # CPU: the step's forward without transformers' per-layer Python (lean_forward.py).
-        self.lean: LeanDecoder | None = None
-        if self.device.type == "cpu" and self.tp is None:
-            self.lean = LeanDecoder.build(self.body, fused_kernels() if any(fused_ops.values()) else None)
-            log.info("lean forward: %s", self.lean.mode if self.lean else "off (this model's layers)")
         self.batch = BatchState(self.block_size)
         # CPU: greedy rows' argmax and random rows' draws through the compiled kernels (sampler.py)
         cpu_ops = fused_kernels() if self.device.type == "cpu" else None
@@ -344,7 +285,7 @@ class ModelRunner:
 
 def _weight_bytes(model: torch.nn.Module) -> int:
     """Parameters plus buffers, so int8 packed weights (held outside ``parameters()``) count too."""
-    from .quantize import packed_weight_bytes
+    from .model.quantize import packed_weight_bytes
 
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params + packed_weight_bytes(model)

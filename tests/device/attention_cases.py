@@ -112,7 +112,7 @@ def reference_attention(case: AttentionCase) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _via_paged_attention(case: AttentionCase, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    from services.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan, paged_attention
+    from services.worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, paged_attention
 
     b = case.batch
     dev = case.query.device

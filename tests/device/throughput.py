@@ -52,8 +52,8 @@ def make_runner(opts: Options, model: Any, arch: dict[str, Any], dtype: Any, enf
                 max_num_seqs: int, budget: int, max_model_len: int) -> Any:
     """A ModelRunner over an in-memory model (the loader is bypassed: no weights on disk)."""
     import services.worker.runner as runner_mod
-    from services.worker.attention import ATTN_IMPLEMENTATION, register_paged_attention
     from services.worker.loader import LoadedModel
+    from services.worker.model.attention import ATTN_IMPLEMENTATION, register_paged_attention
     from shared.config import WorkerConfig
 
     register_paged_attention()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from services.engine.offline import LLM, GenerationParams
-from services.worker.packed_linear import PackedLinear
-from services.worker.quantize import Int8Linear, packed_weight_bytes
+from services.worker.model.packed_linear import PackedLinear
+from services.worker.model.quantize import Int8Linear, packed_weight_bytes
 from tests.conftest import cached_tiny_model
 
 PROMPTS = [list(range(300, 320)), [7, 8, 9], list(range(1000, 1030))]

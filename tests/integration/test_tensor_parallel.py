@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.engine.offline import LLM, GenerationParams
-from services.worker.tensor_parallel import check_divisible, rank_config
+from services.worker.model.tensor_parallel import check_divisible, rank_config
 from shared.capacity import kv_block_bytes
 from tests.conftest import cached_tiny_model
 from tests.integration.test_offline_tiny import PROMPTS

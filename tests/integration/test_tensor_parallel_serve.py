@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from services.engine.offline import LLM, GenerationParams
-from services.worker.tensor_parallel import rank_config
+from services.worker.model.tensor_parallel import rank_config
 from shared.capacity import num_kv_blocks
 from tests.integration.conftest import TINY_KV_BYTES, ServeProcess, tail, wait_for
 

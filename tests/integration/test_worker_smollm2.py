@@ -71,7 +71,7 @@ def test_bfloat16_outputs_do_not_depend_on_the_batch_on_ferrys_products() -> Non
     requests, a request's logprobs are the same bits alone as inside a batch. On oneDNN they
     were not (docs/benchmarks.md, "Kernels: linear products": 4 of 38 greedy
     outputs changed), nor with AMX while the tiled kernel kept 1-6 rows (FERRY_CPU_TILED_LINEAR=small)."""
-    from services.worker.packed_linear import ALL_ROWS, _tiled_kernels, amx_rows, tiled_rows
+    from services.worker.model.packed_linear import ALL_ROWS, _tiled_kernels, amx_rows, tiled_rows
 
     kernels, rows = _tiled_kernels(), tiled_rows(torch.bfloat16)
     # every product on the tiled kernel, or (AMX) every product on the AMX tile products

@@ -22,7 +22,10 @@ inside a function cannot slip past:
   ``benchmarks`` is in neither the wheel nor the image;
 - the load tool (``loadtests``, ``ferry bench``) is an HTTP client of any server: it
   imports nothing of ``services``, and neither ``services`` nor ``shared`` imports it
-  (``ferry bench`` reaches it through ``ferry_cli``'s table of subcommand modules).
+  (``ferry bench`` reaches it through ``ferry_cli``'s table of subcommand modules);
+- the kernels (``services/kernels``) import nothing else of ferry;
+- no import circle between the modules of the shipped tree (services, shared, ferry_cli,
+  loadtests), counting every import statement.
 """
 
 from __future__ import annotations
@@ -305,3 +308,135 @@ def test_benchmarks_are_not_shipped() -> None:
     assert not [line for line in allowed if line.lstrip("!").split("/")[0] == "benchmarks"]
     copies = [ln for ln in (ROOT / "deploy" / "Dockerfile").read_text().splitlines() if ln.startswith(("COPY", "ADD"))]
     assert copies and not [ln for ln in copies if "benchmarks" in ln]
+
+
+# -- the kernels package: one door to native code, importing nothing else of ferry --------
+
+FERRY_ROOTS = ("services", "shared", "ferry_cli", "loadtests", "benchmarks", "tests")
+
+
+def test_the_kernels_import_nothing_of_ferry() -> None:
+    """services/kernels is the one door to native code; the worker depends on it, never the
+    other way round, so it imports nothing of ferry outside itself (ARCHITECTURE.md, Layout)."""
+    room = ROOT / "services" / "kernels"
+    found = [f"{path.relative_to(ROOT)} imports {mod}"
+             for path in sorted(room.rglob("*.py")) for mod in sorted(imported_modules(path))
+             if mod.split(".")[0] in FERRY_ROOTS and not (mod == "services.kernels"
+                                                          or mod.startswith("services.kernels."))]
+    assert found == []
+
+
+# -- no import circle between the shipped modules -------------------------------------------
+
+SHIPPED_ROOMS = ("services", "shared", "ferry_cli", "loadtests")
+
+
+def module_graph(rooms: tuple[str, ...] = SHIPPED_ROOMS, root: Path = ROOT) -> dict[str, set[str]]:
+    """Each module of ``rooms`` -> the modules of ``rooms`` it imports: every import statement
+    (in functions and under ``TYPE_CHECKING`` too), relative ones resolved. ``from p import x``
+    is an edge to ``p.x`` where that is a module, else to ``p``; ``import a.b`` to ``a.b``.
+    Importing a module also runs its packages' ``__init__``, but those are not edges here: a
+    package that imports its own modules (a registry) would otherwise be a circle by itself."""
+    files = {module_name(p, root): p for room in rooms if (root / room).is_dir()
+             for p in sorted((root / room).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                edges.update(_known(alias.name, files) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - (node.level - 1)]
+                    target = ".".join([*base, node.module] if node.module else base)
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    edges.add(sub if sub in files else _known(target, files))
+        edges.discard("")
+        edges.discard(mod)
+        graph[mod] = edges
+    return graph
+
+
+def _known(name: str, files: dict[str, Path]) -> str:
+    """The longest prefix of dotted ``name`` that is one of ``files``' modules ("" if none)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in files:
+            return ".".join(parts[:n])
+    return ""
+
+
+def graph_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan), each
+    sorted; every such component holds at least one import circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def visit(start: str) -> None:  # iterative, so a deep chain cannot hit the recursion limit
+        nonlocal counter
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+
+    for mod in sorted(graph):
+        if mod not in index:
+            visit(mod)
+    return sorted(cycles)
+
+
+def test_no_import_circle_in_the_shipped_tree() -> None:
+    cycles = graph_cycles(module_graph())
+    assert cycles == [], "import circles (each a group of modules importing one another):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "services" / "demo"
+    pkg.mkdir(parents=True)
+    (tmp_path / "services" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from . import a  # a registry importing its modules is no circle\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from services.demo import c\n")
+    (pkg / "c.py").write_text("import services.demo.a\nfrom . import A\n")
+    (pkg / "d.py").write_text("from .a import x\n")
+    graph = module_graph(("services",), tmp_path)
+    assert graph["services.demo.c"] == {"services.demo.a", "services.demo"}
+    assert graph_cycles(graph) == [["services.demo", "services.demo.a", "services.demo.b", "services.demo.c"]]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import PagedBatch
+from .base import PagedBatch
 
 
 def build_paged_batch(

@@ -17,105 +17,26 @@ prompts under ``FERRY_CPU_FLOAT32_EXACT=1`` take the reference's SDPA path (gath
 their blocks once per layer). A step's new keys and values reach the cache through one
 C++ call, which also rounds them to float8 for a float8 cache.
 
-Both kernels come in AVX-512 and AVX2/FMA versions (``-march=native`` picks one;
-``kernel_isa()`` says which was built); a CPU with neither decodes through a plain-loop
-version and sends prompts to SDPA. On the AVX2-only Zen 3 EPYC the AVX2 decode kernel
-(one pass over the context, each cache row read front to back) took a common-load decode
-step's attention from ~100 to ~50 ms in float32.
-
-The extension is compiled on first use with the machine's own instruction set
-(``-march=native``) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), keyed by the source and this CPU's flags so a cache
-shared with another CPU is never loaded; later starts load it in well under a second.
-Without a C++ compiler the backend is unavailable and ``auto`` falls back to the
-reference.
+Both kernels come in AVX-512 and AVX2/FMA versions (``kernel_isa()`` says which was
+built); a CPU with neither decodes through a plain-loop version and sends prompts to SDPA.
+On the AVX2-only Zen 3 EPYC the AVX2 decode kernel (one pass over the context, each cache
+row read front to back) took a common-load decode step's attention from ~100 to ~50 ms in
+float32. The kernels are built and loaded by ``services.kernels``; without a C++ compiler
+the backend is unavailable and ``auto`` falls back to the reference.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import time
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
-from typing import Any
 
 import torch
 
+from services.kernels import ops
 from shared import envs
 
-from ..packed_linear import fast_cpu_dtype
-from . import PagedBatch, register_backend
+from ..model.packed_linear import fast_cpu_dtype
+from .base import PagedBatch, register_backend
 from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata
-
-log = logging.getLogger("ferry.worker.backends")
-
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "int8_ops.cpp",
-                                   "tiled_linear.cpp", "decode_layers.cpp"))  # + vec512.h, vec256.h, work_split.h, pool.h, amx.h
-FUNCTIONS = ["paged_decode", "write_kv", "prefill_attention", "prefill_attention_available", "prefill_attention_paged", "prefill_amx",
-             "rms_norm", "add_rms_norm",
-             "silu_and_mul", "rotary", "argmax_rows", "sample_rows", "race_rows", "fused_ops_available", "to_bfloat16", "quant_rows", "dequant_rows", "kernel_isa",
-             "tiled_linear_available", "tiled_pack", "tiled_embedding", "tiled_linear", "tiled_silu_linear", "tiled_prefetch", "work_stealing", "pool_check",
-             "amx_linear", "amx_silu_linear", "amx_rope_linear", "amx_rope", "tiled_amx", "amx_linear_rows",
-             "decode_layers"]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def cpu_flag(name: str) -> bool:
-    """Whether this CPU lists ``name`` among its flags (/proc/cpuinfo)."""
-    return name in _cpu_flags().split()
-
-
-def cpu_march() -> str:
-    """The ``-march`` the kernels are built for: ``FERRY_CPU_MARCH``, default ``native``.
-
-    ``x86-64-v3`` (AVX2 and FMA, no AVX-512) builds the kernels an AVX2-only CPU runs, on
-    any newer one: with ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2`` for
-    torch's own kernels, that is how the AVX2 paths are tested on an AVX-512 machine; a
-    container image for a mixed fleet can use it too.
-    """
-    # read here, not through shared/envs.py (where it is declared): the kernels' loader imports nothing of ferry
-    march = os.environ.get("FERRY_CPU_MARCH", "").strip() or "native"
-    if not all(c.isalnum() or c in "-_." for c in march):
-        raise ValueError(f"FERRY_CPU_MARCH={march!r} is not a -march value")
-    return march
-
-
-@cache
-def load_extension() -> Any:
-    """Build (once per source and CPU) and load ferry's CPU kernels: paged decode, prefill attention, fused ops."""
-    from torch.utils.cpp_extension import load_inline
-
-    sources = [p.read_text() for p in SOURCES]
-    header = "".join((CSRC / h).read_text() for h in ("vec512.h", "vec256.h", "work_split.h", "pool.h", "amx.h"))
-    march = cpu_march()
-    # -fno-trapping-math: no floating-point exception flags to preserve, so the portable
-    # loops' selects vectorize; values and rounding are unchanged
-    cflags = ["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"]
-    key = hashlib.sha256(("".join(sources) + header + _cpu_flags() + " ".join(cflags) + torch.__version__)
-                         .encode()).hexdigest()[:12]
-    t0 = time.monotonic()
-    module = load_inline(
-        name=f"ferry_cpu_kernels_{key}", cpp_sources=sources, functions=FUNCTIONS,
-        extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(CSRC)], verbose=False,
-    )
-    log.info("CPU kernels (paged decode, prefill attention, fused ops, int8 quantization, tiled bfloat16 linear) ready in %.1fs", time.monotonic() - t0)
-    return module
 
 
 @dataclass
@@ -155,7 +76,7 @@ def bf16_decode_through_fma() -> bool:
     ``FERRY_CPU_BF16_DOT=1`` forces dot products, ``0`` FMAs for everything.
     """
     setting = envs.CPU_BF16_DOT.get()  # None: auto
-    return cpu_flag("amx_bf16") if setting is None else not setting
+    return ops.cpu_flag("amx_bf16") if setting is None else not setting
 
 
 class CpuPagedBackend(ReferenceBackend):
@@ -163,7 +84,7 @@ class CpuPagedBackend(ReferenceBackend):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self.kernel = load_extension()
+        self.kernel = ops.load()
         self.prefill_kernel = prefill_kernel_enabled() and bool(self.kernel.prefill_attention_available())
         self.float32_prefill = fast_cpu_dtype(torch.float32)  # FERRY_CPU_FLOAT32_EXACT=1: float32 prompts to SDPA
         self.bf16_dot = bf16_dot_enabled()
@@ -234,7 +155,7 @@ class CpuPagedBackend(ReferenceBackend):
         elif metadata.fresh_spans is not None:  # another head size, or float32 as transformers computes it
             fresh = [PrefillSpan(int(a), int(b), 0, None, None) for a, b in metadata.fresh_spans.tolist()]
             self._prefills_forward(query, key, value, k_cache, v_cache, fresh, scale, out)
-        if (metadata.prefix_spans is not None and k_cache.dtype in (query.dtype, torch.float8_e4m3fn)
+        if (metadata.prefix_spans is not None and metadata.prefix_tables is not None and k_cache.dtype in (query.dtype, torch.float8_e4m3fn)
                 and query.shape[-1] in (64, 128)
                 and (query.dtype != torch.float32 or self.float32_prefill)):
             self.kernel.prefill_attention_paged(query, out, k_cache, v_cache, metadata.prefix_spans,
@@ -246,16 +167,3 @@ class CpuPagedBackend(ReferenceBackend):
 
 # auto on the CPU: the fastest measured there (docs/benchmarks.md, "Kernels: decode attention"); without a compiler auto takes the reference.
 register_backend("cpu_paged", CpuPagedBackend, ("cpu",), auto_rank=0)
-
-
-
-def prebuild() -> None:
-    """``make kernels``: build the kernel ahead of the first worker start (never fails)."""
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        load_extension()
-    except Exception as exc:  # noqa: BLE001 - report, never fail an install over an optional kernel
-        print(f"cpu_paged kernel not built ({exc}); workers on the CPU will use the reference backend",
-              file=sys.stderr)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import AttentionBackend, PagedBatch, register_backend
+from .base import AttentionBackend, PagedBatch, register_backend
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import AttentionBackend, PagedBatch, register_backend
+from .base import AttentionBackend, PagedBatch, register_backend
 from .triton_kernels import (
     TILE_N,
     choose_num_splits,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.kernels import bench_decode_layers
-from services.worker.backends.cpu_paged import load_extension
+from services.kernels.build import load_extension
 
 
 def test_body_times_both_paths_on_a_decode_step() -> None:

@@ -80,9 +80,9 @@ def test_decode_dot_modes(monkeypatch: pytest.MonkeyPatch, through_fma: bool) ->
 def test_linear_part_times_every_projection_at_every_row_count() -> None:
     """``--parts linear``: each projection at each row count, both builds' outputs compared bit
     for bit (one build against itself here: identical), times and rows as asked."""
-    from services.worker.backends import cpu_paged
+    from services.kernels.build import load_extension
 
-    k = cpu_paged.load_extension()
+    k = load_extension()
     if not k.tiled_amx(-1):
         pytest.skip("no AMX tile products here (CPU or build)")
     args = argparse.Namespace(layers=2, rounds=1, linear_rows="33,130")

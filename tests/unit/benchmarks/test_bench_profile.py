@@ -37,7 +37,7 @@ def test_profile_finds_the_body_and_its_parts(lean: bool) -> None:
 
 def _wide_llm(tmp_path: Path, **shape: int) -> LLM:
     """A bfloat16 Llama with a wide MLP (4,096) on the tiled kernels, one thread; skips without them."""
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     if not load_extension().tiled_linear_available():
         pytest.skip("no AVX512-BF16 tiled linear on this CPU")
@@ -53,10 +53,10 @@ def test_the_gated_products_count_as_linear(tmp_path: Path, monkeypatch: pytest.
     a wide MLP it takes more time than every leaf product together, so the linear part must
     exceed it. (The CPU taken as one without AMX: with AMX the prompts' products, and 8-row
     decode steps', would stay on oneDNN and the gated kernel would never run.)"""
-    import services.worker.backends.cpu_paged as cpu_paged
-    from services.worker.fused_ops import FusedSiluMLP
+    from services.kernels import ops
+    from services.worker.model.fused_ops import FusedSiluMLP
 
-    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name, real=cpu_paged.cpu_flag: name != "amx_bf16" and real(name))
+    monkeypatch.setattr(ops, "cpu_flag", lambda name, real=ops.cpu_flag: name != "amx_bf16" and real(name))
     llm = _wide_llm(tmp_path, hidden_size=256, num_hidden_layers=1, num_attention_heads=4)
     runner = llm.runner
     mlps = [m for m in runner.model.modules() if isinstance(m, FusedSiluMLP)]

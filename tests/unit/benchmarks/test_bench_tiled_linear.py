@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.packed_linear import _tiled_kernels
+from services.worker.model.packed_linear import _tiled_kernels
 
 
 def test_prompt_part_times_every_projection_on_both_kernels(tmp_path: Path) -> None:

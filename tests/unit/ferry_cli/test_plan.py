@@ -235,7 +235,7 @@ def test_int8_weights_equal_the_quantized_worker_model(kind: str, dtype: str, tm
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.worker.quantize import Int8Linear, apply_int8
+    from services.worker.model.quantize import Int8Linear, apply_int8
     from services.worker.runner import _weight_bytes
     from tests.conftest import cached_tiny_model
 

@@ -187,7 +187,7 @@ def test_field_env_takes_only_config_fields(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_amx_prompt_kinds_are_the_projections() -> None:
     pytest.importorskip("torch")
-    from services.worker.packed_linear import PROJECTION_KINDS
+    from services.worker.model.packed_linear import PROJECTION_KINDS
 
     assert envs.AMX_PROMPT_KINDS == set(PROJECTION_KINDS.values())
 

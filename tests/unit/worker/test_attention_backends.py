@@ -66,7 +66,7 @@ def _setup(case: list[tuple[int, int]], heads: int, kv_heads: int, seed: int, he
 def _cpu_kernels(prompts: bool = False) -> Any:
     """cpu_paged's extension, or a skip: no compiler here (the backend is absent too), or, with
     ``prompts``, a build without the prompt kernels (neither AVX-512 nor AVX2)."""
-    from services.worker.backends.cpu_paged import load_extension
+    from services.kernels.build import load_extension
 
     try:
         kernel = load_extension()
@@ -501,13 +501,14 @@ def test_decode_dot_products_by_cpu_and_cache(monkeypatch: pytest.MonkeyPatch, s
     """Decodes over a bfloat16 cache take float32 FMAs on a CPU with AMX (where vdpbf16ps runs
     at half the FMA's rate) and dot products elsewhere; a float8 cache keeps its dot products;
     FERRY_CPU_BF16_DOT=1 forces them, 0 turns them off everywhere (prompts too)."""
+    from services.kernels import ops
     from services.worker.backends import cpu_paged
 
     if setting is None:
         monkeypatch.delenv("FERRY_CPU_BF16_DOT", raising=False)
     else:
         monkeypatch.setenv("FERRY_CPU_BF16_DOT", setting)
-    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name: amx and name == "amx_bf16")
+    monkeypatch.setattr(ops, "cpu_flag", lambda name: amx and name == "amx_bf16")
     backend = object.__new__(cpu_paged.CpuPagedBackend)  # the rule only, no kernels built
     backend.bf16_dot = cpu_paged.bf16_dot_enabled()
     backend.bf16_decode_fma = cpu_paged.bf16_decode_through_fma()
@@ -546,11 +547,11 @@ def test_float8_cache_through_the_backend(backend_name: str, dtype: torch.dtype,
 
 
 def test_kernels_are_built_for_this_cpus_instruction_set() -> None:
-    """With ``-march=native`` the build takes the widest path this CPU runs: AVX-512 where
-    /proc/cpuinfo lists avx512f, else AVX2 with FMA and F16C, else the plain loops."""
-    from services.worker.backends.cpu_paged import cpu_march
+    """The build chosen for this CPU (or ``-march=native``) takes the widest path it runs: AVX-512
+    where /proc/cpuinfo lists avx512f, else AVX2 with FMA and F16C, else the plain loops."""
+    import os
 
-    if cpu_march() != "native":
+    if os.environ.get("FERRY_CPU_MARCH", "").strip() not in ("", "native"):
         pytest.skip("FERRY_CPU_MARCH names another instruction set")
     kernel = _cpu_kernels()
     try:

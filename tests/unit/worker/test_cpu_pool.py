@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from services.worker import fused_ops
+from services.worker.model import fused_ops
 from tests.busy import two_threads_beside_a_busy_process
 
 

@@ -1,4 +1,4 @@
-"""Fused CPU ops, bfloat16 and float32 (services/worker/fused_ops.py, backends/csrc/fused_ops.cpp).
+"""Fused CPU ops, bfloat16 and float32 (services/worker/model/fused_ops.py, services/kernels/csrc/fused_ops.cpp).
 
 Each kernel against the transformers code it replaces, on random inputs: the rotary
 embedding bit for bit in both dtypes (also on the strided q/k views the fused q/k/v
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker import fused_ops
-from services.worker.fused_ops import FusedRMSNorm, FusedSiluMLP, fuse_elementwise, fused_ops_enabled
-from services.worker.packed_linear import FusedHead, fuse_projections, pack_linears
+from services.worker.model import fused_ops
+from services.worker.model.fused_ops import FusedRMSNorm, FusedSiluMLP, fuse_elementwise, fused_ops_enabled
+from services.worker.model.packed_linear import FusedHead, fuse_projections, pack_linears
 from tests.busy import same_bits_with_work_taken
 
 CPU = torch.device("cpu")

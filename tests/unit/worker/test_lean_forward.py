@@ -1,4 +1,4 @@
-"""The lean CPU forward (services/worker/lean_forward.py) against transformers' own.
+"""The lean CPU forward (services/worker/model/lean_forward.py) against transformers' own.
 
 Random Llama, Mistral and Qwen2 (q/k/v biases) models: in bfloat16 and float32 with
 every swap of packed_linear and fused_ops made (the fused mode), and untouched in float32
@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker import fused_ops
-from services.worker.attention import ATTN_IMPLEMENTATION, StepAttention, register_paged_attention
-from services.worker.backends import cpu_paged, select_backend
+from services.kernels.build import cpu_flag
+from services.worker.backends import select_backend
 from services.worker.backends.build import build_paged_batch
 from services.worker.kv_cache import KVCache
-from services.worker.lean_forward import DECODE_LAYER_PARTS, LeanDecoder
-from services.worker.packed_linear import PackedLinear, fuse_projections, pack_linears
+from services.worker.model import fused_ops
+from services.worker.model.attention import ATTN_IMPLEMENTATION, StepAttention, register_paged_attention
+from services.worker.model.lean_forward import DECODE_LAYER_PARTS, LeanDecoder
+from services.worker.model.packed_linear import PackedLinear, fuse_projections, pack_linears
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -174,7 +175,7 @@ def test_decode_steps_in_one_call_equal_the_layer_loop(monkeypatch: pytest.Monke
     loop = LeanDecoder.build(body, ops)
     assert one_call is not None and loop is not None and one_call.decode_args is not None
     # auto: the tiled kernel takes every row without AMX, none with it (the AMX products from one row)
-    want_rows = 2 if split else 0 if cpu_paged.cpu_flag("amx_bf16") and ops.tiled_amx(-1) else 1 << 62
+    want_rows = 2 if split else 0 if cpu_flag("amx_bf16") and ops.tiled_amx(-1) else 1 << 62
     assert one_call.decode_args.rows == want_rows
     if split != "onednn" and ops.tiled_amx(-1):
         # the AMX products take every projection's prompt rows too (FERRY_CPU_AMX_PROMPT's

@@ -1,4 +1,4 @@
-"""oneDNN-packed and fused linear layers (services/worker/packed_linear.py).
+"""oneDNN-packed and fused linear layers (services/worker/model/packed_linear.py).
 
 Packing and fusing must not change a single bit of a bfloat16 forward on oneDNN: the packed
 product against ``F.linear``, each fused projection against its separate layer, and
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.packed_linear import (
+from services.worker.model.packed_linear import (
     ALL_ROWS,
     FusedHead,
     FusedPart,
@@ -137,7 +137,7 @@ def test_fused_packed_model_gives_the_same_logits_bit_for_bit(kind: str, monkeyp
 
 
 def _tiled_kernels():  # noqa: ANN202
-    from services.worker.packed_linear import _tiled_kernels
+    from services.worker.model.packed_linear import _tiled_kernels
 
     k = _tiled_kernels()
     if k is None:
@@ -462,7 +462,7 @@ def test_fused_mlp_applies_the_activation_in_the_tiled_product() -> None:
         pytest.skip("bfloat16 on AVX2: nothing is packed")
     from transformers import AutoModelForCausalLM
 
-    from services.worker.fused_ops import FusedSiluMLP, fuse_elementwise
+    from services.worker.model.fused_ops import FusedSiluMLP, fuse_elementwise
 
     model = AutoModelForCausalLM.from_pretrained(cached_tiny_model("llama"), dtype=torch.bfloat16).eval()
     body = model.get_decoder()
@@ -494,9 +494,9 @@ def test_tiled_kernel_takes_every_product_without_amx(monkeypatch: pytest.Monkey
     k = _tiled_kernels()
     if not _bf16_packing_exact_here():
         pytest.skip("bfloat16 on AVX2: nothing is packed")
-    import services.worker.backends.cpu_paged as cpu_paged
+    from services.kernels import ops
 
-    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name: False)
+    monkeypatch.setattr(ops, "cpu_flag", lambda name: False)
     gen = torch.Generator().manual_seed(4)
     model = _two_layers(gen)
     plain = copy.deepcopy(model)
@@ -529,11 +529,11 @@ def test_tiled_kernel_takes_six_rows_at_most_beside_onednn(monkeypatch: pytest.M
     k = _tiled_kernels()
     if not _bf16_packing_exact_here():
         pytest.skip("bfloat16 on AVX2: nothing is packed")
-    import services.worker.backends.cpu_paged as cpu_paged
+    from services.kernels import ops
 
     if setting == "small":
         monkeypatch.setenv("FERRY_CPU_TILED_LINEAR", "small")
-    monkeypatch.setattr(cpu_paged, "cpu_flag", lambda name: setting == "amx" and name == "amx_bf16")
+    monkeypatch.setattr(ops, "cpu_flag", lambda name: setting == "amx" and name == "amx_bf16")
     gen = torch.Generator().manual_seed(5)
     model = _two_layers(gen)
     plain = copy.deepcopy(model)
@@ -640,7 +640,7 @@ def test_tied_embedding_shares_the_head_tiles_and_the_model_gives_the_same_logit
     """A tied embedding is swapped for one that reads the packed head's tiles (the same storage,
     no copy; the plain weight's bytes reported) and the model's logits do not change by a bit;
     an untied pair, or a head without tiles, is left alone."""
-    from services.worker.packed_linear import TiledEmbedding, share_tied_embedding
+    from services.worker.model.packed_linear import TiledEmbedding, share_tied_embedding
 
     _tiled_kernels()
     if not _bf16_packing_exact_here():
@@ -711,7 +711,7 @@ def test_runner_holds_a_tied_head_once_in_bfloat16(max_num_seqs: int) -> None:
     max_num_seqs rows (8) and kept where they do not (1,000; without AMX the tiled kernel takes
     every row and the copy is gone either way); the first greedy token is the one transformers
     gives in bfloat16 for a prompt of a few tokens."""
-    from services.worker.packed_linear import TiledEmbedding
+    from services.worker.model.packed_linear import TiledEmbedding
     from services.worker.runner import ModelRunner
     from shared.config import WorkerConfig
     from shared.messages import NewRequestData, SamplingParams, StepPlan

@@ -1,4 +1,4 @@
-"""``--quantization int8`` layers (services/worker/quantize.py, backends/csrc/int8_ops.cpp).
+"""``--quantization int8`` layers (services/worker/model/quantize.py, services/kernels/csrc/int8_ops.cpp).
 
 The W8A8 linear against ``F.linear`` (close, not equal: it rounds on purpose), the CPU
 kernels' quantize/dequantize passes against the PyTorch ops they replace (bit for bit,
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.packed_linear import FusedHead
-from services.worker.quantize import (
+from services.worker.model.packed_linear import FusedHead
+from services.worker.model.quantize import (
     Int8Factory,
     Int8Linear,
     apply_int8,
@@ -81,7 +81,7 @@ def test_the_probe_keeps_full_range_weights_where_the_products_are_exact() -> No
 WITHOUT_VNNI = """
 import json, torch
 from torch import nn
-from services.worker.quantize import Int8Linear, _int_mm_exact, int8_weight_max
+from services.worker.model.quantize import Int8Linear, _int_mm_exact, int8_weight_max
 torch.manual_seed(7)
 linear = nn.Linear(256, 96)
 x = torch.randn(2, 5, 256) * 4
@@ -160,7 +160,7 @@ def test_int8_linear_is_close_to_the_float_product(dtype: torch.dtype, bias: boo
 def test_onednn_products_equal_int_mm_bit_for_bit(dtype: torch.dtype, rows: int, k: int, n: int) -> None:
     """Where oneDNN's prepacked int8 linear runs the products, a layer gives exactly what
     torch._int_mm gives (the same integers, as float32), with the kernels and without."""
-    from services.worker import quantize
+    from services.worker.model import quantize
 
     if not quantize.onednn_int8():
         pytest.skip("oneDNN's prepacked int8 linear is not used in this torch / on this CPU")

@@ -59,7 +59,7 @@ def _pytorch(seed: int) -> Sampler:
 
 def _kernels(seed: int) -> Sampler:
     """The CPU worker's sampler: seeded rows through ``race_rows``, the neighbour through ``sample_rows``."""
-    from services.worker.fused_ops import kernels
+    from services.worker.model.fused_ops import kernels
 
     ops = kernels()
     if ops is None:

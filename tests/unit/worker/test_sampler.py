@@ -201,7 +201,7 @@ def test_plain_greedy_batches_take_the_argmax_kernel_and_nothing_else_does(dtype
 
 
 def test_the_cpu_kernel_picks_what_the_float32_path_picks() -> None:
-    from services.worker.fused_ops import kernels
+    from services.worker.model.fused_ops import kernels
 
     ops = kernels()
     if ops is None:
@@ -216,7 +216,7 @@ def test_the_cpu_kernel_picks_what_the_float32_path_picks() -> None:
 
 
 def _kernel_sampler(seed: int = 0) -> Sampler:
-    from services.worker.fused_ops import kernels
+    from services.worker.model.fused_ops import kernels
 
     ops = kernels()
     if ops is None:

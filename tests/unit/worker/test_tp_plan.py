@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from services.worker.tensor_parallel import model_tp_plan, shard, shard_by_plan, shard_llama
+from services.worker.model.tensor_parallel import model_tp_plan, shard, shard_by_plan, shard_llama
 from tests.conftest import cached_tiny_model
 
 

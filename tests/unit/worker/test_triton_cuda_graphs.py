@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from services.worker.backends import PagedBatch  # noqa: E402
 from services.worker.backends.triton_backend import TritonBackend  # noqa: E402
-from services.worker.cuda_graphs import (  # noqa: E402
+from services.worker.cuda.graphs import (  # noqa: E402
     DecodeGraphs,
     StaticDecodeInputs,
     decode_forward,
@@ -30,7 +30,7 @@ from services.worker.cuda_graphs import (  # noqa: E402
     is_decode_only,
     pick_bucket,
 )
-from services.worker.cuda_staging import StepStaging  # noqa: E402
+from services.worker.cuda.staging import StepStaging  # noqa: E402
 from services.worker.runner import ModelRunner  # noqa: E402
 from shared.config import WorkerConfig  # noqa: E402
 from shared.messages import NewRequestData, SamplingParams, StepPlan  # noqa: E402

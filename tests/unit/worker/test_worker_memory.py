@@ -159,7 +159,7 @@ def test_census_counts_each_storage_once() -> None:
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 def test_census_counts_packed_weights() -> None:
-    from services.worker.packed_linear import PackedLinear
+    from services.worker.model.packed_linear import PackedLinear
 
     # float32: oneDNN packs it on any x86 CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)
     packed = PackedLinear(nn.Linear(64, 32, bias=False, dtype=torch.float32))

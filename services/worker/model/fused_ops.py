@@ -5,7 +5,7 @@ copy, pow, mean, add, rsqrt, two multiplies and a copy back; RoPE: four multipli
 two negations, two concatenations and two adds; the MLP's ``act_fn(gate) * up``), each
 a pass over memory. On the common load they took ~2.3 s of a 17.5 s run, more than
 the attention (docs/benchmarks.md, "Where a prompt step goes"). The kernels in
-``backends/csrc/fused_ops.cpp`` do each in one pass and, in bfloat16, round to bfloat16
+``services/kernels/csrc/fused_ops.cpp`` do each in one pass and, in bfloat16, round to bfloat16
 where PyTorch stores a bfloat16 tensor:
 
 - rotary embedding: bit-identical to ``apply_rotary_pos_emb`` in bfloat16;
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.kernels import ops
 from shared import envs
 
 from .packed_linear import FusedHead, FusedPart, PackedLinear, fast_cpu_dtype
@@ -52,12 +53,10 @@ def fused_ops_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     return fast_cpu_dtype(dtype)
 
 
-def kernels() -> Any | None:
+def kernels() -> ops.CpuKernels | None:
     """The compiled ops, or None (no compiler)."""
     try:
-        from .backends.cpu_paged import load_extension
-
-        ext = load_extension()
+        ext = ops.load()
     except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the model stays as it is
         log.warning("fused CPU ops unavailable (%s)", exc)
         return None
@@ -79,7 +78,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 class FusedRMSNorm(nn.Module):
     """LlamaRMSNorm in one pass; anything but a contiguous CPU input of the weight's dtype takes the original."""
 
-    def __init__(self, original: nn.Module, kernels: Any) -> None:
+    def __init__(self, original: nn.Module, kernels: ops.CpuKernels) -> None:
         super().__init__()
         weight = original.weight
         assert isinstance(weight, torch.Tensor)
@@ -108,7 +107,7 @@ class FusedSiluMLP(nn.Module):
     products (AMX, tiled, oneDNN)").
     """
 
-    def __init__(self, gate_up: nn.Module, down_proj: nn.Module, intermediate: int, kernels: Any) -> None:
+    def __init__(self, gate_up: nn.Module, down_proj: nn.Module, intermediate: int, kernels: ops.CpuKernels) -> None:
         super().__init__()
         self.gate_up = gate_up
         self.down_proj = down_proj
@@ -133,7 +132,7 @@ class FusedSiluMLP(nn.Module):
         return self.down_proj(self._kernels.silu_and_mul(gu(x)))
 
 
-def _rotary(original: Callable[..., Any], kernels: Any) -> Callable[..., Any]:
+def _rotary(original: Callable[..., Any], kernels: ops.CpuKernels) -> Callable[..., Any]:
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              *args: Any, **kwargs: Any) -> Any:
         # ferry's forward: batch 1, [1, heads, tokens, head_dim] views, cos/sin [1, tokens, head_dim]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .backends import AttentionBackend
+from ..backends import AttentionBackend
 
 ATTN_IMPLEMENTATION = "ferry_paged"
 

@@ -41,10 +41,11 @@ from typing import Any
 
 import torch
 
+from services.kernels import ops
 from shared import envs
 
+from ..backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from .attention import StepAttention
-from .backends.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from .fused_ops import FusedRMSNorm, FusedSiluMLP
 from .packed_linear import FusedHead, PackedLinear
 
@@ -100,7 +101,7 @@ class DecodeLayerArgs:
 class LeanDecoder:
     """``body(input_ids, position_ids, ferry_meta=...)``'s last hidden state, without the framework."""
 
-    def __init__(self, body: Any, kernels: Any | None) -> None:
+    def __init__(self, body: Any, kernels: ops.CpuKernels | None) -> None:
         self.embed: Any = body.embed_tokens
         self.rotary_emb: Any = body.rotary_emb
         # cos/sin of every position up to a bound, computed once by rotary_emb itself and read
@@ -130,7 +131,7 @@ class LeanDecoder:
             self.decode_args = _decode_layer_args(body, kernels)
 
     @classmethod
-    def build(cls, body: Any, kernels: Any | None) -> LeanDecoder | None:
+    def build(cls, body: Any, kernels: ops.CpuKernels | None) -> LeanDecoder | None:
         """The lean forward for ``body`` (fused when every layer is and ``kernels`` are given,
         else plain), or None where it does not apply (see the module doc)."""
         if not lean_forward_enabled() or type(body).__name__ not in MODELS:
@@ -194,6 +195,7 @@ class LeanDecoder:
             o = step.backend.forward(i, q, k, v.view(tokens, -1, head_dim), k_cache, v_cache, step.metadata, scale)
             x, h = add_norm(x, o_proj(o.reshape(1, tokens, -1)), norm2.weight, norm2.variance_epsilon)
             delta = mlp(h)
+        assert delta is not None, "a model with no decoder layers"
         return add_norm(x, delta, self.norm.weight, self.norm.variance_epsilon)[1]
 
     def cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +249,7 @@ def _all_fused(body: Any) -> bool:
     return True
 
 
-def _decode_layer_args(body: Any, kernels: Any = None) -> DecodeLayerArgs | None:
+def _decode_layer_args(body: Any, kernels: ops.CpuKernels | None = None) -> DecodeLayerArgs | None:
     """``decode_layers``' fixed arguments; None unless every projection and norm is on ferry's
     kernels in bfloat16."""
     from .packed_linear import PackedLinear

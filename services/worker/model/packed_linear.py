@@ -52,12 +52,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.kernels import ops
 from shared import envs
 
 log = logging.getLogger("ferry.worker.packed_linear")
@@ -117,7 +117,7 @@ class PackedLinear(nn.Module):
         return self._amx_rope(x if x.is_contiguous() else x.contiguous(), self.tiles, self._bias32, cos, sin,
                               rope_cols, head_dim)
 
-    def add_tiled(self, weight: torch.Tensor, kernels: Any, rows: int, prompt: bool = False) -> None:
+    def add_tiled(self, weight: torch.Tensor, kernels: ops.CpuKernels, rows: int, prompt: bool = False) -> None:
         """Keep a copy of ``weight`` laid out for the tiled kernel and send inputs of up to
         ``rows`` rows to it (csrc/tiled_linear.cpp); ``prompt``: with AMX, every input past
         them to the AMX products, a prompt step's too."""
@@ -175,7 +175,7 @@ class TiledEmbedding(nn.Module):
     weight is dropped.
     """
 
-    def __init__(self, embedding: nn.Embedding, tiles: torch.Tensor, kernels: Any) -> None:
+    def __init__(self, embedding: nn.Embedding, tiles: torch.Tensor, kernels: ops.CpuKernels) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.padding_idx = embedding.padding_idx
@@ -385,12 +385,10 @@ def tiled_rows(dtype: torch.dtype) -> int | None:
         return None
     if setting == "small":
         return SMALL_BATCH_ROWS
-    from .backends.cpu_paged import cpu_flag
-
-    return AMX_TILED_ROWS if cpu_flag("amx_bf16") else ALL_ROWS
+    return AMX_TILED_ROWS if ops.cpu_flag("amx_bf16") else ALL_ROWS
 
 
-def amx_rows(kernels: Any) -> int:
+def amx_rows(kernels: ops.CpuKernels) -> int:
     """The most rows ``amx_linear`` takes here (0: no AMX, or ``FERRY_CPU_AMX_LINEAR=0``, which
     turns it off in the decode call too, for A/B runs)."""
     if not hasattr(kernels, "tiled_amx"):
@@ -420,11 +418,9 @@ def amx_prompt(name: str) -> bool:
     return PROJECTION_KINDS.get(name.rsplit(".", 1)[-1]) in (AMX_PROMPT_DEFAULT if kinds is None else kinds)
 
 
-def _tiled_kernels() -> Any | None:
+def _tiled_kernels() -> ops.CpuKernels | None:
     try:
-        from .backends.cpu_paged import load_extension
-
-        ext = load_extension()
+        ext = ops.load()
     except Exception:  # noqa: BLE001 - no compiler, a failed build: oneDNN alone
         return None
     return ext if ext.tiled_linear_available() else None

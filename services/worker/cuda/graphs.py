@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .backends import PagedBatch
+from ..backends import PagedBatch
 
 log = logging.getLogger("ferry.worker.cuda_graphs")
 
@@ -254,7 +254,7 @@ def graphs_wanted(device: torch.device, enforce_eager: bool, backend: object) ->
 def decode_forward(body: torch.nn.Module, lm_head: torch.nn.Module, backend: object,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_model_len: int) -> DecodeForward:
     """The runner's forward for a decode-only step: body, then the LM head on every row."""
-    from .attention import StepAttention
+    from ..model.attention import StepAttention
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         step = StepAttention(backend, backend.prepare(batch), kv_caches, max_model_len)  # type: ignore[attr-defined, arg-type]

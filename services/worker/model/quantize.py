@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.kernels import ops
 from shared import envs
 
 log = logging.getLogger("ferry.worker.quantize")
@@ -82,7 +83,7 @@ class Int8Linear(nn.Module):
     inv_smooth: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, kernels: Any | None = None, input_absmax: torch.Tensor | None = None,
+    def __init__(self, linear: nn.Linear, kernels: ops.CpuKernels | None = None, input_absmax: torch.Tensor | None = None,
                  alpha: float = SMOOTH_ALPHA, onednn: bool | None = None) -> None:
         """``onednn``: the products on oneDNN's prepacked kernel (None: where ``onednn_int8()``)."""
         super().__init__()
@@ -174,10 +175,8 @@ def onednn_int8() -> bool:
     one call took half a second (docs/benchmarks.md, "int8 weights")."""
     if not envs.CPU_INT8_ONEDNN.get():
         return False
-    from .backends.cpu_paged import cpu_flag
-
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
-    if not cpu_flag("amx_int8") or (isa and isa not in ("ALL", "DEFAULT") and "AMX" not in isa):
+    if not ops.cpu_flag("amx_int8") or (isa and isa not in ("ALL", "DEFAULT") and "AMX" not in isa):
         return False
     wmax = int8_weight_max()
     try:
@@ -219,12 +218,10 @@ def int8_available() -> str | None:
     return None
 
 
-def int8_kernels() -> Any | None:
+def int8_kernels() -> ops.CpuKernels | None:
     """The CPU kernels' ``quant_rows``/``dequant_rows``, or None: PyTorch ops instead (no compiler)."""
     try:
-        from .backends.cpu_paged import load_extension
-
-        return load_extension()
+        return ops.load()
     except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the PyTorch ops still work
         log.warning("int8 CPU kernels unavailable (%s); quantizing with PyTorch ops", exc)
         return None
@@ -265,7 +262,7 @@ def calibrate(model: nn.Module, body: nn.Module, vocab_size: int, tokens: int = 
 class Int8Factory:
     """Builds each ``Int8Linear`` with the calibrated input range of the layer(s) it replaces."""
 
-    def __init__(self, kernels: Any | None, stats: dict[nn.Module, torch.Tensor] | None = None) -> None:
+    def __init__(self, kernels: ops.CpuKernels | None, stats: dict[nn.Module, torch.Tensor] | None = None) -> None:
         self.kernels, self.stats = kernels, stats or {}
 
     def __call__(self, linear: nn.Linear, like: nn.Module | None = None) -> Int8Linear:
@@ -289,7 +286,7 @@ def quantize_int8(model: nn.Module, make: Int8Factory | None = None, skip: tuple
     return swapped
 
 
-def apply_int8(model: nn.Module, body: nn.Module, vocab_size: int, kernels: Any | None) -> tuple[int, int]:
+def apply_int8(model: nn.Module, body: nn.Module, vocab_size: int, kernels: ops.CpuKernels | None) -> tuple[int, int]:
     """What ``--quantization int8`` does to a loaded model: calibrate, fuse q/k/v and
     gate/up into one int8 product each, quantize the other linears of ``body`` (the LM
     head stays as it is). Returns (groups fused, linear layers quantized in all)."""

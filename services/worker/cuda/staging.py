@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .backends import PagedBatch
+from ..backends import PagedBatch
 
 _ALIGN = 8
 
