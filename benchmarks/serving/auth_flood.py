@@ -173,18 +173,28 @@ def phase(ns: Namespace, gateway: psutil.Process, flood_rps: float, args: argpar
     cmd = ["ip", "netns", "exec", ns.name, sys.executable, "-m", "benchmarks.serving.auth_flood", "--role", "paced",
            "--rate", str(args.rate), "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
            "--key", KEY]
-    cpu0 = gateway.cpu_times()
+    cpu0, own0, busy0 = gateway.cpu_times(), psutil.Process().cpu_times(), _busy()
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     statuses: dict[str, int] = {}
     if flood_rps > 0:
         statuses = asyncio.run(flood(f"http://{NS_ADDR}:{PORT}/v1/chat/completions", flood_rps, args.duration,
                                      body_bytes))
     out, _ = client.communicate(timeout=args.duration + 300)
-    cpu1 = gateway.cpu_times()
+    cpu1, own1, busy1 = gateway.cpu_times(), psutil.Process().cpu_times(), _busy()
     records = json.loads(out)
     return {"flood_rps": flood_rps, "flood_statuses": statuses, "refused": sum(
         v for k, v in statuses.items() if k in ("401", "429")),
-        "gateway_cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), **summary(records)}
+        "gateway_cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
+        # the flood's own sender shares this machine's cores with the engine and the clients
+        "flood_client_cpu_s": (own1.user + own1.system) - (own0.user + own0.system),
+        "machine_busy_share": round((busy1[0] - busy0[0]) / max(1e-9, busy1[1] - busy0[1]), 3), **summary(records)}
+
+
+def _busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (/proc/stat's first line)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
 
 
 def main(argv: list[str] | None = None) -> int:

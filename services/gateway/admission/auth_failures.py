@@ -220,10 +220,13 @@ class AuthFailures:
         verdict = await self.throttle.on_failure(address)
         self.on_failure("throttled" if verdict.blocked else reason, address, verdict)
         if verdict.blocked:
+            # A blocked address's body is not read at all: the connection closes after the 429
+            # (what the rest of a flood's 4 MiB bodies would cost to receive is not spent)
             seconds = max(1, math.ceil(verdict.retry_after_s - 1e-6))  # (now + 45) - now may be 45.000001
             err = APIError(429, f"Too many failed authentications from this address; retry after {seconds} s",
-                           code="auth_failures", type_="rate_limit_error", headers={"retry-after": str(seconds)})
-        if closes_connection(scope):
+                           code="auth_failures", type_="rate_limit_error",
+                           headers={"retry-after": str(seconds), "connection": "close"})
+        elif closes_connection(scope):
             await drain(receive)
         await send_error(send, err)
         return err

@@ -217,6 +217,7 @@ def test_repeated_failures_are_throttled_at_the_exact_limit(tmp_path: Path, monk
         assert statuses == [401, 401, 401]  # the limit itself is still allowed
         fourth = http.get("/v1/models")
         assert fourth.status_code == 429 and fourth.headers["retry-after"] == "45"
+        assert fourth.headers["connection"] == "close"  # a blocked address's body is never read
         assert fourth.json()["error"]["code"] == "auth_failures"
         assert http.get("/metrics").status_code == 429  # the operator's pages share the count
         # a valid key from the same address is never throttled by it
@@ -372,6 +373,16 @@ def test_a_cached_valid_key_costs_no_extra_redis_round_trip() -> None:
 def test_the_knobs_are_checked(field: str, value: Any, ok: bool) -> None:
     errors = config_errors(GatewayConfig(**{field: value}))
     assert (errors == []) is ok, errors
+
+
+def test_a_blocked_address_gets_its_429_without_sending_the_body(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    g = Gateway(tmp_path, monkeypatch, api_key=KEY, auth_failure_limit=1)
+    with g.server, httpx.Client(base_url=g.server.url, timeout=20) as http:
+        headers = {"content-type": "application/json"}
+        statuses = [http.post("/v1/chat/completions", content=chat_body(MAX_BODY), headers=headers).status_code
+                    for _ in range(3)]
+    assert statuses == [401, 429, 429] and g.spies.calls == {}
 
 
 def test_a_closing_connection_still_reads_its_401(gw: tuple[Gateway, httpx.Client]) -> None:
