@@ -204,6 +204,12 @@ CPU_MARCH = _declare(
     "Which CPU kernel build to load ('': the widest of the four this CPU runs; avx2: the AVX2 paths on any "
     "newer CPU; a -march value such as native builds that one).",
     _march, reader="kernels")
+KERNELS_DIR = _declare(
+    "FERRY_KERNELS_DIR", "", "a folder",
+    "Prebuilt CPU kernel builds (`python -m services.kernels.build --compile-only --out DIR`): the worker "
+    "imports its build from there with no compiler, and compiles only one the folder lacks ('': none; the "
+    "image sets /opt/ferry/kernels).",
+    _text, reader="kernels")
 CPU_POOL_SPIN_US = _declare(
     "FERRY_CPU_POOL_SPIN_US", "200", "microseconds",
     "How long a kernel pool helper spins for its next job before it sleeps.",

@@ -14,6 +14,15 @@ worker start, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 compiled on first use. Without a C++ compiler the load raises and the layers keep PyTorch's
 ops (the attention backend ``auto`` falls back to the reference).
 
+Prebuilt: ``python -m services.kernels.build --compile-only --out DIR avx2 avx512 avx512_bf16
+amx`` compiles the named builds into ``DIR`` without loading any (the build machine need not
+run them), one ``<module_name(build)>.so`` each; a worker with ``FERRY_KERNELS_DIR=DIR``
+imports the file of its build from there, with no compiler, and compiles only a build that
+``DIR`` lacks. A build's name (``module_name``) is its level, a hash of the sources, the flags
+and torch's version: never the build machine's CPU, so a build made on one machine is found on
+every other (a ``native`` build alone adds the CPU's flags, as it runs on this CPU alone).
+The deployment image carries the four (deploy/Dockerfile).
+
 Both attention kernels, the fused ops and the linear kernels come in AVX-512 and AVX2/FMA
 versions (``kernel_isa()`` says which was built), with plain loops for a CPU with neither;
 the tiled bfloat16 linear needs AVX512-BF16, the tile products AMX.
@@ -22,8 +31,11 @@ the tiled bfloat16 linear needs AVX512-BF16, the tile products AMX.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -123,27 +135,102 @@ def load_extension(march: str | None = None) -> Any:
     return _load(march or cpu_march())
 
 
-@cache
-def _load(march: str) -> Any:
-    from torch.utils.cpp_extension import load_inline
-
-    sources = [p.read_text() for p in SOURCES]
+def module_name(march: str, cpu: str | None = None) -> str:
+    """The extension module's (and its file's) name for a build (``ISA_BUILDS``' name) or a
+    ``-march`` value: the level and a hash of the sources, the flags and torch's version. An
+    ISA build's name never depends on the CPU it is made on; a ``-march`` value's also hashes
+    the CPU's flags (``cpu``, default /proc/cpuinfo's), so a shared cache never hands a
+    ``native`` build to another CPU."""
+    sources = "".join(p.read_text() for p in SOURCES)
     header = "".join((CSRC / h).read_text() for h in HEADERS)
-    flags = cflags(march)
-    # a native build is this CPU's alone: its flags join the key, so a shared cache never hands it to another
-    cpu = _cpu_flags() if march not in BUILDS else ""
-    key = hashlib.sha256(("".join(sources) + header + cpu + " ".join(flags) + torch.__version__)
+    if march in BUILDS:
+        cpu = ""
+    elif cpu is None:
+        cpu = _cpu_flags()
+    key = hashlib.sha256((sources + header + cpu + " ".join(cflags(march)) + torch.__version__)
                          .encode()).hexdigest()[:12]
     label = "".join(c if c.isalnum() else "_" for c in march)
-    t0 = time.monotonic()
-    module = load_inline(
-        name=f"ferry_cpu_kernels_{label}_{key}", cpp_sources=sources, functions=FUNCTIONS,
-        extra_cflags=flags, extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(CSRC)], verbose=False,
-    )
-    log.info("CPU kernels: the %s build (%s; %s paths) ready in %.1fs; this CPU runs %s", march, " ".join(flags[1:-2]),
-             module.kernel_isa(), time.monotonic() - t0, ", ".join(runnable_builds()) or "none of the ISA builds")
+    return f"ferry_cpu_kernels_{label}_{key}"
+
+
+def kernels_dir() -> Path | None:
+    """``FERRY_KERNELS_DIR``: the folder of prebuilt builds (``compile_only``), or None."""
+    folder = os.environ.get("FERRY_KERNELS_DIR", "").strip()
+    return Path(folder) if folder else None
+
+
+def prebuilt_path(march: str, folder: Path | None = None) -> Path | None:
+    """The prebuilt file of ``march`` in ``folder`` (default ``FERRY_KERNELS_DIR``), if there."""
+    folder = folder or kernels_dir()
+    if folder is None:
+        return None
+    path = folder / f"{module_name(march)}.so"
+    return path if path.is_file() else None
+
+
+def _import_file(name: str, path: Path) -> Any:
+    """Import an extension module from its file: no compiler, no ninja, no build folder."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {name} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
+
+
+@cache
+def _load(march: str) -> Any:
+    flags = cflags(march)
+    name = module_name(march)
+    t0 = time.monotonic()
+    path = prebuilt_path(march)
+    if path is not None:
+        module = _import_file(name, path)
+        how = f"prebuilt, {path.parent}"
+    else:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline(
+            name=name, cpp_sources=[p.read_text() for p in SOURCES], functions=FUNCTIONS,
+            extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)], verbose=False,
+        )
+        how = "built now" if kernels_dir() is None else f"built now, none prebuilt in {kernels_dir()}"
+    log.info("CPU kernels: the %s build (%s; %s paths; %s) ready in %.1fs; this CPU runs %s", march,
+             " ".join(flags[1:-2]), module.kernel_isa(), how, time.monotonic() - t0,
+             ", ".join(runnable_builds()) or "none of the ISA builds")
+    return module
+
+
+def _main_cpp() -> str:
+    """The one translation unit ``load_inline`` compiles: torch's header, the sources and the
+    Python bindings of ``FUNCTIONS`` (with torch's error handling, as ``load_inline`` writes them)."""
+    binds = [f'm.def("{f}", torch::wrap_pybind_function({f}), "{f}");' for f in FUNCTIONS]
+    return "\n".join(["#include <torch/extension.h>", *(p.read_text() for p in SOURCES),
+                      "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {", *binds, "}"])
+
+
+def compile_only(march: str, out: Path) -> Path:
+    """Compile a build into ``out`` as ``<module_name(march)>.so`` without loading it (this
+    machine need not run its instructions); returns the file. Needs a C++ compiler and ninja."""
+    from torch.utils.cpp_extension import _write_ninja_file_and_build_library
+
+    if march not in BUILDS:
+        raise ValueError(f"{march!r} is not one of the builds {', '.join(BUILDS)}: only those are prebuilt")
+    name = module_name(march)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{name}.so"
+    with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=out) as tmp:
+        main = Path(tmp) / "main.cpp"
+        main.write_text(_main_cpp())
+        _write_ninja_file_and_build_library(
+            name=name, sources=[str(main)], extra_cflags=cflags(march), extra_cuda_cflags=[],
+            extra_sycl_cflags=[], extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
+            build_directory=tmp, verbose=False, with_cuda=False, with_sycl=False)
+        built = Path(tmp) / f"{name}.so"
+        shutil.copyfile(built, Path(tmp) / "done.so")
+        os.replace(Path(tmp) / "done.so", target)  # whole or absent: a reader never sees half a file
+    return target
 
 
 def prebuild(names: list[str] | None = None) -> None:
@@ -163,7 +250,32 @@ def prebuild(names: list[str] | None = None) -> None:
                   "reference backend", file=sys.stderr)
 
 
+def main(argv: list[str]) -> int:
+    """``python -m services.kernels.build [BUILD...]``: build and load (``prebuild``);
+    ``--compile-only --out DIR BUILD...``: compile each into DIR, loading none (fails on an error)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m services.kernels.build", description=main.__doc__)
+    parser.add_argument("builds", nargs="*", help=f"builds ({', '.join(BUILDS)}) or -march values")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the named builds (default: all four) into --out without loading them")
+    parser.add_argument("--out", type=Path, help="the folder of --compile-only's files (FERRY_KERNELS_DIR)")
+    args = parser.parse_args(argv)
+    if not args.compile_only:
+        if args.out:
+            parser.error("--out goes with --compile-only")
+        prebuild(args.builds or None)
+        return 0
+    if args.out is None:
+        parser.error("--compile-only needs --out DIR")
+    for name in args.builds or list(BUILDS):
+        t0 = time.monotonic()
+        path = compile_only(name, args.out)
+        print(f"CPU kernels: the {name} build compiled into {path} in {time.monotonic() - t0:.1f}s")
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
-    prebuild(sys.argv[1:] or None)
+    sys.exit(main(sys.argv[1:]))
