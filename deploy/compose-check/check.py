@@ -4,7 +4,8 @@ Run as root after prepare.sh (the Makefile does both). Builds the ferry image fr
 deploy/Dockerfile, brings the whole stack up under its own project name and free host
 ports, and checks, step by step: the health checks, a chat completion and a stream
 through the published gateway port, Prometheus scraping /metrics, the provisioned
-dashboard's queries, the worker container killed mid-stream (the engine recovers and
+dashboard's queries, the worker's CPU kernels (a prebuilt build from the image, so the
+fast attention rather than the reference), the worker container killed mid-stream (the engine recovers and
 the stream completes), a graceful drain when the gateway is stopped mid-stream,
 ``down`` leaving nothing, and a second ``up`` that reuses the converted model from the
 cache volume. Prints a summary and writes results/compose-check.json; container logs
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -225,6 +227,18 @@ class Check:
             if not served <= set(result["panels_with_nonzero"]):
                 raise AssertionError(f"no traffic shown by {sorted(served - set(result['panels_with_nonzero']))}")
 
+    def kernels(self) -> None:
+        with self.step("the worker loaded a prebuilt CPU kernel build, not the reference attention") as r:
+            log = self.worker_log()
+            # services/kernels/build.py's line: "CPU kernels: the amx build (...; prebuilt, /opt/ferry/kernels) ..."
+            lines = [line for line in log.splitlines() if "CPU kernels: the " in line]
+            r["kernels_log"] = [line[-400:] for line in lines[:2]]
+            r["attention_backends"] = sorted(set(re.findall(r"attention backend: (\w+)", log)))
+            if not any("prebuilt, /opt/ferry/kernels" in line for line in lines):
+                raise AssertionError(f"no prebuilt kernel build loaded from /opt/ferry/kernels: {r['kernels_log']}")
+            if r["attention_backends"] != ["cpu_paged"]:
+                raise AssertionError(f"the worker serves with {r['attention_backends']}, not cpu_paged")
+
     def kill_worker_mid_stream(self) -> None:
         with self.step("worker container killed mid-stream: the engine recovers") as r:
             before = self.inspect("worker")
@@ -331,6 +345,7 @@ class Check:
         if all(s["ok"] for s in self.steps):
             self.requests("first up")
             self.steps[-1]["worker_log_converting_count"] = self.worker_log().count("converting ")
+            self.kernels()
             self.monitoring()
             self.resources()
             self.kill_worker_mid_stream()

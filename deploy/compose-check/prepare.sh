@@ -8,8 +8,8 @@
 #      and never written into the compose file users run;
 #   3. base images nothing can pull here, built from Debian packages:
 #        debian:bookworm-slim   debootstrap --variant=minbase + podman import
-#        python:3.11-slim       FROM debian:bookworm-slim + Debian's python3.11 (the
-#                               exact name deploy/Dockerfile's FROM uses)
+#        python:3.11-slim       FROM debian:bookworm-slim + Debian's python3.11 and its
+#                               headers (the exact name deploy/Dockerfile's FROM uses)
 #        ferry-check/redis      FROM debian:bookworm-slim + redis-server (FERRY_REDIS_IMAGE)
 #        ferry-check/prometheus FROM debian:bookworm-slim + prometheus (FERRY_PROMETHEUS_IMAGE)
 #      Grafana is published neither by Debian nor as a server on PyPI or npm: no image;
@@ -78,6 +78,14 @@ else
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'CMD ["bash"]' - docker.io/library/debian:bookworm-slim >&2
   rm -rf "$root"
+fi
+# A stand-in built before it carried CPython's headers (the kernels stage needs them) is
+# built again: untagged, so the images built on it are kept.
+if podman image exists docker.io/library/python:3.11-slim \
+   && ! podman run --rm --pull=never --network none docker.io/library/python:3.11-slim \
+        test -f /usr/include/python3.11/Python.h >&2; then
+  log "python:3.11-slim: without CPython's headers, built again"
+  podman untag docker.io/library/python:3.11-slim >&2
 fi
 build docker.io/library/python:3.11-slim "$HERE/python-slim.Containerfile"
 build localhost/ferry-check/redis:bookworm "$HERE/redis.Containerfile"

@@ -164,16 +164,35 @@ def test_the_build_context_holds_what_the_dockerfile_reads() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     ignore = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert ignore[0] == "*"  # everything not named below stays out (venvs, .git, results)
-    sources = re.findall(r"^COPY (\S+) ", text, re.M) + re.findall(r"source=([\w/]+)", text)
-    assert "deploy/wheels" in sources
+    sources = re.findall(r"^COPY (?!--from=)(\S+) ", text, re.M) + re.findall(r"source=([\w/]+)", text)
+    assert "deploy/wheels" in sources and "services/kernels" in sources
     for src in sources:
-        assert f"!{src.rstrip('/')}/" in ignore or f"!{src}" in ignore, f"{src} is excluded by .dockerignore"
+        parents = [src, *(str(p) for p in Path(src).parents if str(p) != ".")]  # services/kernels is in !services/
+        assert any(f"!{p.rstrip('/')}/" in ignore or f"!{p}" in ignore for p in parents), \
+            f"{src} is excluded by .dockerignore"
         assert (ROOT / src).exists(), src
+
+
+def test_the_image_carries_the_four_kernel_builds_and_no_compiler() -> None:
+    """A build stage compiles every ISA build without loading it; the final stage copies the
+    files and points FERRY_KERNELS_DIR at them, and installs no compiler of its own."""
+    from services.kernels.build import BUILDS
+
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    assert [s.split("\n", 1)[0] for s in stages] == ["python:3.11-slim AS deps", "deps AS kernels", "deps"]
+    deps, kernels, final = stages
+    compile_line = re.search(r"^RUN python -m services.kernels.build --compile-only --out (\S+) (.*)$", kernels, re.M)
+    assert compile_line and compile_line[2].split() == list(BUILDS)
+    out = compile_line[1]
+    assert f"COPY --from=kernels {out} {out}" in final and f"ENV FERRY_KERNELS_DIR={out}" in final
+    assert "g++" in kernels and not re.search(r"g\+\+|gcc|clang|apt-get install", deps + final)
 
 
 def test_the_compose_check_stands_in_for_exactly_the_base_image() -> None:
     """The check builds the Dockerfile unchanged on a stand-in tagged with its FROM name."""
-    base = re.findall(r"^FROM (\S+)", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
+    froms = re.findall(r"^FROM (\S+)(?: AS (\S+))?", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
+    base = [image for image, _ in froms if image not in {stage for _, stage in froms}]  # not a stage of its own
     assert base == ["python:3.11-slim"]
     prepare = (ROOT / "deploy" / "compose-check" / "prepare.sh").read_text()
     assert f"build docker.io/library/{base[0]} " in prepare
