@@ -183,11 +183,15 @@ def _load(march: str) -> Any:
     flags = cflags(march)
     name = module_name(march)
     t0 = time.monotonic()
-    path = prebuilt_path(march)
-    if path is not None:
-        module = _import_file(name, path)
-        how = f"prebuilt, {path.parent}"
-    else:
+    folder = kernels_dir()
+    module, path = None, folder / f"{name}.so" if folder else None
+    if path is not None and path.is_file():
+        try:
+            module = _import_file(name, path)
+            how = f"prebuilt, {folder}"
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: compile as without one
+            log.warning("CPU kernels: the prebuilt %s cannot be imported (%s); compiling the %s build", path, exc, march)
+    if module is None:
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
@@ -195,7 +199,7 @@ def _load(march: str) -> Any:
             extra_cflags=flags, extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)], verbose=False,
         )
-        how = "built now" if kernels_dir() is None else f"built now, none prebuilt in {kernels_dir()}"
+        how = "built now" if folder is None else f"built now, no usable prebuilt one in {folder}"
     log.info("CPU kernels: the %s build (%s; %s paths; %s) ready in %.1fs; this CPU runs %s", march,
              " ".join(flags[1:-2]), module.kernel_isa(), how, time.monotonic() - t0,
              ", ".join(runnable_builds()) or "none of the ISA builds")

@@ -106,3 +106,30 @@ def test_a_compiled_build_loads_with_no_compiler(tmp_path: Path) -> None:
     assert f"FILE {out / module_name('avx2')}.so" in loaded.stdout
     assert "the avx2 build" in loaded.stdout and f"prebuilt, {out}" in loaded.stdout
     assert loaded.stdout.rstrip().endswith("OK")
+
+
+class _Built:
+    def kernel_isa(self) -> str:
+        return "avx2"
+
+
+@pytest.mark.parametrize("folder", ["none", "empty", "damaged"])
+def test_without_a_usable_prebuilt_file_the_build_is_compiled(folder: str, monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torch.utils.cpp_extension
+
+    compiled: list[str] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline",
+                        lambda name, **_: compiled.append(name) or _Built())
+    monkeypatch.delenv("FERRY_KERNELS_DIR", raising=False)
+    if folder != "none":
+        monkeypatch.setenv("FERRY_KERNELS_DIR", str(tmp_path))
+    if folder == "damaged":
+        (tmp_path / f"{module_name('avx2')}.so").write_bytes(b"not an ELF file")
+    with caplog.at_level("INFO", logger="ferry.kernels"):
+        build._load.__wrapped__("avx2")
+    assert compiled == [module_name("avx2")]
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU kernels: the avx2 build")]
+    assert len(line) == 1
+    assert ("built now)" if folder == "none" else f"built now, no usable prebuilt one in {tmp_path})") in line[0]
+    assert ("cannot be imported" in caplog.text) == (folder == "damaged")
