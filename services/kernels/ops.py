@@ -83,5 +83,6 @@ class CpuKernels(Protocol):
 
 
 def load() -> CpuKernels:
-    """The kernels, built on first use (once per source and CPU); raises where they cannot be built."""
+    """The kernels: the prebuilt file in ``FERRY_KERNELS_DIR`` where there is one, else built on
+    first use (once per source and build); raises where they can be neither imported nor built."""
     return cast(CpuKernels, load_extension())
