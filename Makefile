@@ -41,13 +41,14 @@ browser:
 unit: install
 	$(PY) -m pytest -q tests/unit
 
-# The inner loop: every unit test, the docs' marker and path checks and the fastest
-# integration test (the offline engine on a tiny model), under 4 minutes on 2 cores.
+# The inner loop: the unit tests of the shipped code (not the studies' in tests/unit/benchmarks,
+# nor the one that compiles a kernel build from scratch), the docs' marker and path checks and
+# the fastest integration test (the offline engine on a tiny model), under 4 minutes on 2 cores.
 # `make test` stays the whole suite (.ci/run).
 .PHONY: test-fast
 test-fast: install kernels
-	$(PY) -m pytest -q tests/unit tests/docs/test_doc_markers.py tests/docs/test_doc_paths.py \
-		tests/integration/test_offline_tiny.py
+	$(PY) -m pytest -q -m "not compiles" --ignore=tests/unit/benchmarks tests/unit \
+		tests/docs/test_doc_markers.py tests/docs/test_doc_paths.py tests/integration/test_offline_tiny.py
 
 bench-scheduler: install
 	$(PY) -m benchmarks.serving.bench_scheduler

@@ -84,6 +84,7 @@ _LOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.compiles
 @pytest.mark.skipif("avx2" not in runnable_builds(), reason="this CPU does not run the avx2 build")
 def test_a_compiled_build_loads_with_no_compiler(tmp_path: Path) -> None:
     out = tmp_path / "kernels"
