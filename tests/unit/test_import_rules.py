@@ -112,45 +112,8 @@ def reachable_violations(paths: list[Path], forbidden: tuple[str, ...], root: Pa
 
 
 def import_cycles(folder: str, root: Path = ROOT) -> list[list[str]]:
-    """The circles among the modules of ``folder`` and its sub-packages (strongly connected
-    components of more than one module, or a module importing itself), each as sorted module names."""
-    top = root / folder
-    files = sorted(top.rglob("*.py"))
-    graph: dict[Path, set[Path]] = {}
-    for path in files:
-        targets = {module_file(mod, root) for mod in imported_modules(path, root)}
-        graph[path] = {t for t in targets if t is not None and t.is_relative_to(top)}
-    index: dict[Path, int] = {}
-    low: dict[Path, int] = {}
-    stack: list[Path] = []
-    on_stack: set[Path] = set()
-    cycles: list[list[str]] = []
-
-    def visit(node: Path) -> None:  # Tarjan's algorithm
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for nxt in graph[node]:
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in on_stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1 or node in graph[node]:
-                cycles.append(sorted(module_name(p, root) for p in component))
-
-    for path in files:
-        if path not in index:
-            visit(path)
-    return sorted(cycles)
+    """The groups of modules under ``folder`` that import one another (see ``module_graph``)."""
+    return graph_cycles(module_graph((folder,), root))
 
 
 def violations(room: str, forbidden: tuple[str, ...], root: Path = ROOT) -> list[str]:
