@@ -56,6 +56,14 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts)
 
 
+def from_target(node: ast.ImportFrom, package: list[str]) -> str:
+    """The absolute module a ``from ... import`` names, relative levels resolved in ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
 def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
     """Every module ``path`` imports, absolute, with relative imports resolved."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -67,11 +75,7 @@ def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                target = ".".join([*base, node.module] if node.module else base)
-            else:
-                target = node.module or ""
+            target = from_target(node, package)
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
     return found
@@ -311,11 +315,7 @@ def module_graph(rooms: tuple[str, ...] = SHIPPED_ROOMS, root: Path = ROOT) -> d
             if isinstance(node, ast.Import):
                 edges.update(_known(alias.name, files) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package[: len(package) - (node.level - 1)]
-                    target = ".".join([*base, node.module] if node.module else base)
-                else:
-                    target = node.module or ""
+                target = from_target(node, package)
                 for alias in node.names:
                     sub = f"{target}.{alias.name}"
                     edges.add(sub if sub in files else _known(target, files))
