@@ -192,14 +192,17 @@ def _load(march: str) -> Any:
         except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: compile as without one
             log.warning("CPU kernels: the prebuilt %s cannot be imported (%s); compiling the %s build", path, exc, march)
     if module is None:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
 
+        cached = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
         module = load_inline(
             name=name, cpp_sources=[p.read_text() for p in SOURCES], functions=FUNCTIONS,
             extra_cflags=flags, extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)], verbose=False,
         )
-        how = "built now" if folder is None else f"built now, no usable prebuilt one in {folder}"
+        how = "from torch's extension cache" if cached else "built now"
+        if folder is not None:
+            how += f", no usable prebuilt one in {folder}"
     log.info("CPU kernels: the %s build (%s; %s paths; %s) ready in %.1fs; this CPU runs %s", march,
              " ".join(flags[1:-2]), module.kernel_isa(), how, time.monotonic() - t0,
              ", ".join(runnable_builds()) or "none of the ISA builds")

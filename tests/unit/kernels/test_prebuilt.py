@@ -114,7 +114,7 @@ class _Built:
         return "avx2"
 
 
-@pytest.mark.parametrize("folder", ["none", "empty", "damaged"])
+@pytest.mark.parametrize("folder", ["none", "empty", "damaged", "cached"])
 def test_without_a_usable_prebuilt_file_the_build_is_compiled(folder: str, monkeypatch: pytest.MonkeyPatch,
                                                               tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import torch.utils.cpp_extension
@@ -123,7 +123,11 @@ def test_without_a_usable_prebuilt_file_the_build_is_compiled(folder: str, monke
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline",
                         lambda name, **_: compiled.append(name) or _Built())
     monkeypatch.delenv("FERRY_KERNELS_DIR", raising=False)
-    if folder != "none":
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch-ext"))
+    if folder == "cached":  # compiled before into torch's extension cache: loaded from there, said so
+        build_dir = Path(torch.utils.cpp_extension._get_build_directory(module_name("avx2"), verbose=False))
+        (build_dir / f"{module_name('avx2')}.so").write_bytes(b"")
+    if folder in ("empty", "damaged"):
         monkeypatch.setenv("FERRY_KERNELS_DIR", str(tmp_path))
     if folder == "damaged":
         (tmp_path / f"{module_name('avx2')}.so").write_bytes(b"not an ELF file")
@@ -132,5 +136,7 @@ def test_without_a_usable_prebuilt_file_the_build_is_compiled(folder: str, monke
     assert compiled == [module_name("avx2")]
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU kernels: the avx2 build")]
     assert len(line) == 1
-    assert ("built now)" if folder == "none" else f"built now, no usable prebuilt one in {tmp_path})") in line[0]
+    expected = {"none": "built now)", "cached": "from torch's extension cache)"}.get(
+        folder, f"built now, no usable prebuilt one in {tmp_path})")
+    assert expected in line[0]
     assert ("cannot be imported" in caplog.text) == (folder == "damaged")
