@@ -194,12 +194,14 @@ def _load(march: str) -> Any:
     if module is None:
         from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-        cached = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        before = built.stat().st_mtime_ns if built.is_file() else None  # torch recompiles on a changed command
         module = load_inline(
             name=name, cpp_sources=[p.read_text() for p in SOURCES], functions=FUNCTIONS,
             extra_cflags=flags, extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)], verbose=False,
         )
+        cached = before is not None and built.is_file() and built.stat().st_mtime_ns == before
         how = "from torch's extension cache" if cached else "built now"
         if folder is not None:
             how += f", no usable prebuilt one in {folder}"

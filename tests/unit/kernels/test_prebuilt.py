@@ -114,19 +114,27 @@ class _Built:
         return "avx2"
 
 
-@pytest.mark.parametrize("folder", ["none", "empty", "damaged", "cached"])
+@pytest.mark.parametrize("folder", ["none", "empty", "damaged", "cached", "recompiled"])
 def test_without_a_usable_prebuilt_file_the_build_is_compiled(folder: str, monkeypatch: pytest.MonkeyPatch,
                                                               tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import torch.utils.cpp_extension
 
     compiled: list[str] = []
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline",
-                        lambda name, **_: compiled.append(name) or _Built())
-    monkeypatch.delenv("FERRY_KERNELS_DIR", raising=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch-ext"))
-    if folder == "cached":  # compiled before into torch's extension cache: loaded from there, said so
-        build_dir = Path(torch.utils.cpp_extension._get_build_directory(module_name("avx2"), verbose=False))
-        (build_dir / f"{module_name('avx2')}.so").write_bytes(b"")
+    cache_file = Path(torch.utils.cpp_extension._get_build_directory(module_name("avx2"), verbose=False)) / (
+        f"{module_name('avx2')}.so")
+
+    def load_inline(name: str, **_: object) -> _Built:
+        compiled.append(name)
+        if folder == "recompiled":  # torch compiles again over a cached file (its command changed)
+            cache_file.write_bytes(b"new")
+            os.utime(cache_file, ns=(0, cache_file.stat().st_mtime_ns + 10**9))
+        return _Built()
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", load_inline)
+    monkeypatch.delenv("FERRY_KERNELS_DIR", raising=False)
+    if folder in ("cached", "recompiled"):  # compiled before into torch's extension cache
+        cache_file.write_bytes(b"")
     if folder in ("empty", "damaged"):
         monkeypatch.setenv("FERRY_KERNELS_DIR", str(tmp_path))
     if folder == "damaged":
@@ -136,7 +144,7 @@ def test_without_a_usable_prebuilt_file_the_build_is_compiled(folder: str, monke
     assert compiled == [module_name("avx2")]
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU kernels: the avx2 build")]
     assert len(line) == 1
-    expected = {"none": "built now)", "cached": "from torch's extension cache)"}.get(
+    expected = {"none": "built now)", "recompiled": "built now)", "cached": "from torch's extension cache)"}.get(
         folder, f"built now, no usable prebuilt one in {tmp_path})")
     assert expected in line[0]
     assert ("cannot be imported" in caplog.text) == (folder == "damaged")
