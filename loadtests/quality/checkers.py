@@ -16,6 +16,8 @@ The rules, per kind (``spec["expected"]``, ``spec["params"]``, ``spec["request"]
   a lowercase one only in parentheses ("(b)", "b)") or as the whole answer ("b"), so the
   article "a" is not read as choice A. No letter: the option whose normalized text appears
   first in the normalized answer (the longer one on a tie). Correct iff that is the expected.
+  With ``params.by`` "text" the letters are ignored and the option whose text comes first is the
+  choice (a model that writes "A) owl" for option B chose owl).
 - ``numeric``: the first (``params.pick`` "last": the last) number in the text; "1,234",
   "-3", "2.50", ".5" and "1e3" parse; compared in decimal arithmetic, so a bound given in
   decimal is exact: correct iff |x - expected| <= max(abs_tol (1e-9), rel_tol (0) * |expected|).
@@ -70,7 +72,7 @@ CHECKERS = ("exact", "normalized", "choice", "numeric", "json_schema", "tool_cal
 PARAMS: dict[str, tuple[str, ...]] = {
     "exact": (),
     "normalized": ("first_word",),
-    "choice": ("choices",),
+    "choice": ("by", "choices"),
     "numeric": ("abs_tol", "pick", "rel_tol"),
     "json_schema": ("schema",),
     "tool_call": (),
@@ -252,9 +254,18 @@ def choice_of(text: str, choices: list[str] | None = None) -> str | None:
     return None if best is None else best[2]
 
 
+def option_named(text: str, choices: list[str]) -> str | None:
+    """The letter of the option whose text comes first in the answer (letters ignored), or None."""
+    return choice_of(" ".join(m for m in _LETTER.sub(" ", text).split()), choices) if choices else None
+
+
 def _choice(spec: dict[str, Any], answer: Answer) -> Verdict:
     expected = str(spec.get("expected")).strip().upper()
-    got = choice_of(answer.text, (spec.get("params") or {}).get("choices"))
+    params = spec.get("params") or {}
+    if params.get("by", "letter") == "text":
+        got = option_named(answer.text, params.get("choices") or [])
+    else:
+        got = choice_of(answer.text, params.get("choices"))
     if got is None:
         return Verdict(False, f"expected {expected}, found no choice in {_short(answer.text)}")
     if got == expected:
@@ -450,6 +461,10 @@ def spec_problem(spec: dict[str, Any]) -> str | None:
             or not all(isinstance(c, str) for c in choices)
         ):
             return "'params.choices' must be a list of 2 to 26 option texts"
+        if params.get("by", "letter") not in ("letter", "text"):
+            return "'params.by' must be 'letter' or 'text'"
+        if params.get("by") == "text" and not choices:
+            return "'params.by' 'text' needs 'params.choices': the option texts the answer is read for"
         letters = _LETTERS[: len(choices)] if choices else _LETTERS
         letter = expected.strip().upper() if isinstance(expected, str) else ""
         if len(letter) != 1 or letter not in letters:

@@ -352,3 +352,14 @@ def test_spec_problems_are_named(bad: dict[str, Any], words: str) -> None:
 def test_unknown_checker_raises() -> None:
     with pytest.raises(ValueError, match="unknown checker 'fuzzy'"):
         check({"checker": "fuzzy"}, Answer("x"))
+
+
+def test_choice_by_option_text_ignores_the_letter() -> None:
+    s = spec("choice", "B", params={"choices": ["cat", "owl", "goat"], "by": "text"})
+    assert verdict(s, "A) owl") is True  # the model named owl, whatever letter it put before it
+    assert verdict(s, "B) cat") is False
+    assert verdict(s, "B") is False  # no option named: nothing chosen
+    assert verdict(s, "The owl, not the cat.") is True  # the first option named counts
+    assert verdict(s, "The cat, not the owl.") is False
+    assert spec_problem({"checker": "choice", "expected": "A", "params": {"by": "text"}}) is not None
+    assert spec_problem({"checker": "choice", "expected": "A", "params": {"by": "word", "choices": ["x", "y"]}})
