@@ -10,6 +10,10 @@
   and one decision record per variant.
 - ``generate``: write a scenario's trace file (to inspect it, or to replay it
   later with ``--trace``).
+- ``quality``: every item of a task set once against a running server, each answer
+  checked; the share correct per task type (and, against an earlier pass, which greedy
+  answers changed).
+- ``tasks``: write the built-in task set (the format to bring your own in).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def _ints(text: str) -> list[int]:
 def _add_traffic_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("traffic")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--scenario", choices=SCENARIO_NAMES, help="built-in scenario (default: chat)")
+    src.add_argument("--scenario", choices=[*SCENARIO_NAMES, "tasks"],
+                     help="built-in scenario (default: chat); 'tasks': only items of --tasks")
     src.add_argument("--trace", type=Path, help="replay a JSONL trace file instead of a scenario")
     g.add_argument("--seed", type=int, default=0, help="scenario and arrival seed")
     g.add_argument("--num-requests", type=int, default=0, help="trace length (0: enough for the longest run)")
@@ -64,6 +69,11 @@ def _add_traffic_args(p: argparse.ArgumentParser) -> None:
                    help="override a scenario option, e.g. prompt_tokens=32:64 or cancel_fraction=0.5")
     g.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
                    help="tokenizer for prompt lengths: built-in model name, model folder, .gguf, or tokenizer.json folder")
+    g.add_argument("--tasks", default="",
+                   help="a task set ('builtin' or a JSONL file): its items replace --task-fraction of the traffic, "
+                        "and every answer is checked (docs/loadtests.md, \"Answer quality\")")
+    g.add_argument("--task-fraction", type=float, default=0.25,
+                   help="share of the scenario's requests replaced by task items (with --tasks)")
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
@@ -128,6 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--decide-only", action="store_true",
                      help="start no server: re-read OUT/results.json and rewrite the decision records and the board "
                           "(after changing a pass condition or the [noise] rule)")
+    quality = sub.add_parser("quality", help="every item of a task set once, each answer checked",
+                             formatter_class=DefaultsHelpFormatter)
+    quality.add_argument("--base-url", required=True, type=base_url)
+    quality.add_argument("--model", default="")
+    quality.add_argument("--api-key", default="", help="bearer token [env OPENAI_API_KEY]")
+    quality.add_argument("--tasks", default="builtin", help="'builtin' or a task-set JSONL file")
+    quality.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    quality.add_argument("--request-timeout", type=float, default=300.0)
+    quality.add_argument("--reference", type=Path, default=None,
+                         help="an earlier quality pass's results.json: open items are judged by agreement with it, "
+                              "and the board says which greedy answers changed")
+    quality.add_argument("--out", type=Path, required=True, help="output folder")
+    quality.add_argument("--quiet", action="store_true")
+    tasks = sub.add_parser("tasks", help="write the built-in task set", formatter_class=DefaultsHelpFormatter)
+    tasks.add_argument("--out", type=Path, required=True, help="task-set file to write (.jsonl)")
     gen = sub.add_parser("generate", help="write a scenario's trace file", formatter_class=DefaultsHelpFormatter)
     _add_traffic_args(gen)
     gen.add_argument("--out", type=Path, required=True, help="trace file to write (.jsonl)")
@@ -145,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "tasks":
+            return _tasks(args)
+        if args.command == "quality":
+            return _quality(args, command)
         if args.command == "experiment":
             return _experiment(args, command)
         return _bench(args, command)
@@ -180,12 +209,10 @@ def _log(quiet: bool) -> Any:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from loadtests.bench import load_or_generate
     from loadtests.trace import write_trace
 
     scenario = args.scenario or "chat"
-    trace = load_or_generate(args.trace, scenario, args.seed, args.tokenizer, args.num_requests or 100,
-                             parse_overrides(args.scenario_opt))
+    trace = _traffic(args, scenario, args.num_requests or 100)
     digest = write_trace(trace, args.out)
     print(f"{args.out}: {len(trace.requests)} requests, sha256 {digest}")
     return 0
@@ -204,6 +231,80 @@ def _experiment(args: argparse.Namespace, command: list[str]) -> int:
     for decision in results["decisions"]:
         print(f"{decision['variant']}: {decision['verdict']}")
     print(f"board: {out / 'board.md'}")
+    return 0
+
+
+def _traffic(args: argparse.Namespace, scenario: str | None, num: int) -> Any:
+    """The trace a run sends: a scenario's or a file's, with task items mixed in when --tasks is given."""
+    from loadtests.bench import load_or_generate
+    from loadtests.quality.mix import mix_tasks, taskset_trace
+    from loadtests.quality.tasks import load_taskset
+
+    if scenario == "tasks":
+        return taskset_trace(load_taskset(args.tasks or "builtin"), num, args.seed)
+    trace = load_or_generate(args.trace, scenario, args.seed, args.tokenizer, num, parse_overrides(args.scenario_opt))
+    if args.tasks:
+        trace = mix_tasks(trace, load_taskset(args.tasks), args.task_fraction, args.seed)
+    return trace
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    from loadtests.quality.tasks import load_taskset, write_taskset
+
+    taskset = load_taskset("builtin")
+    digest = write_taskset(taskset, args.out)
+    counts = {t: sum(1 for i in taskset.items if i.task == t) for t in taskset.task_types}
+    print(f"{args.out}: {len(taskset.items)} items ({', '.join(f'{t} {n}' for t, n in counts.items())}), "
+          f"sha256 {digest}")
+    return 0
+
+
+def _quality(args: argparse.Namespace, command: list[str]) -> int:
+    """One quality pass against a running server (the same pass an experiment runs per configuration)."""
+    import json
+
+    from loadtests.bench import bench_meta, server_info
+    from loadtests.client import ClientConfig, discover_model_sync
+    from loadtests.decision import answered_items
+    from loadtests.experiment_run import quality_pass
+    from loadtests.quality.decide import determinism
+    from loadtests.quality.judge import answers_of_items
+    from loadtests.quality.mix import full_pass_trace
+    from loadtests.quality.tasks import load_taskset
+    from loadtests.report import determinism_words, write_results
+    from loadtests.runner import BenchSettings
+
+    if args.concurrency < 1:
+        raise ValueError("--concurrency must be at least 1")
+    taskset = load_taskset(args.tasks)
+    reference_items = None
+    if args.reference is not None:
+        earlier = json.loads(args.reference.read_text(encoding="utf-8"))
+        reference_items = answered_items(earlier["configs"][0], 0.0)
+        if reference_items is None:
+            raise ValueError(f"{args.reference}: no quality pass in it")
+    model = args.model or discover_model_sync(args.base_url, args.api_key)
+    settings = BenchSettings(
+        ClientConfig(args.base_url, model, args.api_key, args.request_timeout), metrics_url=None, quiet=args.quiet,
+        records_dir=args.out / "requests",
+        references=None if reference_items is None else answers_of_items(reference_items))
+    meta = bench_meta(command, full_pass_trace(taskset), {
+        "title": f"ferry bench quality: {taskset.meta.get('name', args.tasks)}", "base_url": args.base_url,
+        "model": model, "server": server_info(args.base_url, args.api_key),
+        "taskset": {k: v for k, v in taskset.describe().items() if k != "path"}, "concurrency": args.concurrency,
+    })
+    result = quality_pass(taskset, settings, args.concurrency, "quality", _log(args.quiet))
+    config: dict[str, Any] = {"name": "quality", "runs": [], "sweep": {}, "quality_pass": result}
+    if reference_items is not None:
+        config["determinism"] = determinism(reference_items, result.get("items") or {})
+        meta["reference"] = str(args.reference)
+    written = write_results({"meta": meta, "configs": [config]}, args.out)
+    for task, q in (result["summary"].get("quality") or {}).items():
+        share = "n/a" if q["correct_rate"] is None else f"{q['correct_rate']:.1%}"
+        print(f"{task}: {q['correct']}/{q['judged']} correct ({share})")
+    if reference_items is not None:
+        print(f"greedy answers against {args.reference}: {determinism_words(config['determinism'])}")
+    print(f"board: {written['board']}")
     return 0
 
 
@@ -248,7 +349,6 @@ def _bench(args: argparse.Namespace, command: list[str]) -> int:
     from loadtests.bench import (
         BenchJob,
         bench_meta,
-        load_or_generate,
         requests_needed,
         run_config,
         server_info,
@@ -261,7 +361,7 @@ def _bench(args: argparse.Namespace, command: list[str]) -> int:
     scenario = None if args.trace else (args.scenario or "chat")
     arrival, rates = _arrival_and_rates(args, scenario)
     num = args.num_requests or requests_needed(arrival, rates, args.concurrency, args.duration)
-    trace = load_or_generate(args.trace, scenario, args.seed, args.tokenizer, num, parse_overrides(args.scenario_opt))
+    trace = _traffic(args, scenario, num)
     args.out.mkdir(parents=True, exist_ok=True)
     write_trace(trace, args.out / "trace.jsonl")
     model = args.model or discover_model_sync(args.base_url, args.api_key)

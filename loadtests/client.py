@@ -73,10 +73,22 @@ class RequestRecord:
     finish_reason: str | None = None
     queue_time_s: float | None = None
     """Queue time the server reported for this request, if it does."""
+    task: str | None = None
+    """The task type of a checked request (None: synthetic traffic)."""
+    text: str | None = None
+    """The answer's text, kept for checked requests only."""
+    tool_calls: list[list[str]] | None = None
+    """The answer's tool calls as [name, arguments JSON text], checked requests only."""
+    correct: bool | None = None
+    """The checker's verdict (None: not checked, not completed, or nothing to judge against)."""
+    check_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["itl_s"] = [round(x, 6) for x in self.itl_s]
+        if self.task is None:
+            for key in ("task", "text", "tool_calls", "correct", "check_reason"):
+                del out[key]
         return out
 
 
@@ -89,9 +101,15 @@ def request_body(request: TraceRequest, config: ClientConfig) -> tuple[str, dict
         "stream_options": {"include_usage": True},
         "temperature": config.temperature,
     }
-    if config.ignore_eos:
+    if config.ignore_eos and request.check is None:
         body["ignore_eos"] = True
     body.update(config.extra_body)
+    if request.check is not None:
+        # a task item is judged on its greedy answer, ended where the model ends it
+        body["temperature"] = 0.0
+        body.pop("top_p", None)
+    if request.body:
+        body.update(request.body)
     if request.messages is not None:
         body["messages"] = request.messages
         return "/v1/chat/completions", body
@@ -135,6 +153,13 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
+def _chunk_tool_calls(chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    choices = chunk.get("choices") or []
+    delta = choices[0].get("delta") if choices else None
+    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+
+
 def server_queue_time(chunk: dict[str, Any]) -> float | None:
     """Per-request queue time a server returns, in seconds, from the places servers put it."""
     usage = chunk.get("usage") or {}
@@ -153,11 +178,31 @@ def server_queue_time(chunk: dict[str, Any]) -> float | None:
 class _StreamState:
     """What one stream has produced so far."""
 
-    def __init__(self, record: RequestRecord, start: float, cancel_after: int | None) -> None:
+    def __init__(self, record: RequestRecord, start: float, cancel_after: int | None, keep: bool = False) -> None:
         self.record, self.start, self.cancel_after = record, start, cancel_after
         self.last = start
         self.num_chunks = 0
         self.done = False
+        self.keep = keep
+        """Keep the answer (text and tool calls) for the checker."""
+        self.pieces: list[str] = []
+        self.calls: dict[int, list[str]] = {}
+
+    def answer(self) -> tuple[str, list[list[str]]]:
+        return "".join(self.pieces), [self.calls[i] for i in sorted(self.calls)]
+
+    def _fold_calls(self, chunk: dict[str, Any]) -> bool:
+        """Tool-call deltas (a name once, arguments in pieces); True when the chunk carried any."""
+        calls = _chunk_tool_calls(chunk)
+        for call in calls:
+            index = call.get("index", len(self.calls))
+            slot = self.calls.setdefault(index if isinstance(index, int) else len(self.calls), ["", ""])
+            function = call.get("function") or {}
+            if function.get("name"):
+                slot[0] = str(function["name"])
+            if function.get("arguments"):
+                slot[1] += str(function["arguments"])
+        return bool(calls)
 
     def on_chunk(self, chunk: dict[str, Any], now: float) -> bool:
         """Fold one SSE chunk in; True when the client should stop reading."""
@@ -168,7 +213,13 @@ class _StreamState:
             record.error_kind = classify_status(code) if isinstance(code, int) else classify_code(code)
             record.error = str(err.get("message") or err)[:500]
             return True
-        if _chunk_text(chunk):
+        text = _chunk_text(chunk)
+        if self.keep:
+            if text:
+                self.pieces.append(text)
+            if self._fold_calls(chunk) and not text:
+                text = " "  # a tool call's delta is the answer's output: it is timed like text
+        if text:
             if record.ttft_s is None:
                 record.ttft_s = now - self.start
             else:
@@ -208,12 +259,12 @@ async def send_request(
 ) -> RequestRecord:
     """Send one request, stream it to the end (or to its cancel point), and time it."""
     path, body = request_body(request, config)
-    record = RequestRecord(request.id, request.group, prompt_tokens=request.prompt_tokens)
+    record = RequestRecord(request.id, request.group, prompt_tokens=request.prompt_tokens, task=request.task)
     headers = {"Content-Type": "application/json", **config.headers()}
     data = _encode_json(body)
     start = time.perf_counter()
     record.sent_s = start - run_start
-    state = _StreamState(record, start, request.cancel_after)
+    state = _StreamState(record, start, request.cancel_after, keep=request.check is not None)
     try:
         # A total deadline: the session's own timeouts only bound each read.
         async with asyncio.timeout(config.request_timeout_s):
@@ -283,6 +334,8 @@ def _finish(record: RequestRecord, state: _StreamState, now: float) -> RequestRe
             record.status = "ok"
             if record.output_tokens == 0:
                 record.output_tokens = state.num_chunks
+            if state.keep:
+                record.text, record.tool_calls = state.answer()
         else:
             record.error_kind, record.error = "other", "the stream ended without a finish reason or [DONE]"
     return record

@@ -15,6 +15,7 @@ from typing import Any
 
 from loadtests.experiment import Experiment, Unavailable, Variant, check_condition, evaluate
 from loadtests.noise import call_measure, noisy_verdict
+from loadtests.quality import decide as qd
 
 OUTCOME_KEYS = ("completed_rps", "goodput_rps", "ttft_p95_ms", "queue_p95_ms", "queue_p95_below_ms", "e2e_p95_ms",
                 "itl_p95_ms", "error_rate", "preemptions", "peak_memory_bytes", "peak_kv_blocks_used",
@@ -84,7 +85,49 @@ def decide(experiment: Experiment, variant: Variant, baseline_results: list[dict
     }
     if verdict.startswith("no decision"):
         record["to_settle"] = _to_settle(variant.pass_condition, outcome, len(base_runs))
+    if experiment.quality is not None:
+        _fold_quality(record, experiment, variant, baseline_results, variant_result)
     return record
+
+
+def answered_items(config_result: dict[str, Any], decision_rate: float) -> dict[str, Any] | None:
+    """The task items one configuration answered: its quality pass, else its run at the decision rate."""
+    full = config_result.get("quality_pass")
+    if full and full.get("items") is not None:
+        return dict(full["items"])
+    for run in config_result.get("runs", []):
+        if run.get("rate") is not None and abs(run["rate"] - decision_rate) < 1e-9 and "items" in run:
+            return dict(run["items"])
+    return None
+
+
+def _fold_quality(record: dict[str, Any], experiment: Experiment, variant: Variant,
+                  baseline_results: list[dict[str, Any]], variant_result: dict[str, Any]) -> None:
+    """Per task type, the paired comparison on the same items; the greedy determinism check; the
+    verdict with quality folded in (loadtests/quality/decide.py)."""
+    quality = experiment.quality
+    assert quality is not None
+    rate = experiment.decision_rate
+    base = answered_items(baseline_results[0], rate) if baseline_results else None
+    mine = answered_items(variant_result, rate)
+    record["answers"] = variant.answers
+    if base is None or mine is None:
+        record["quality"] = "no task items were answered by both configurations"
+        return
+    repeat = answered_items(baseline_results[1], rate) if len(baseline_results) > 1 else None
+    calls = qd.quality_calls(qd.pairs_by_task(base, mine, variant.answers, repeat), quality.confidence,
+                             quality.margin)
+    record["quality"] = qd.describe(calls)
+    record["quality_rule"] = (f"paired per task type on the same items (McNemar's exact test), confidence "
+                              f"{quality.confidence:g}, margin {quality.margin:g}")
+    record["determinism"] = qd.determinism(base, mine)
+    if repeat is not None:
+        record["baseline_repeatability"] = qd.determinism(base, repeat)
+    latency_verdict = record["verdict"]
+    record["latency_verdict"] = latency_verdict
+    record["verdict"], settle = qd.combine(latency_verdict, calls)
+    if settle:
+        record["to_settle"] = settle
 
 
 def _priced(summary: dict[str, Any], experiment: Experiment) -> dict[str, Any]:

@@ -55,6 +55,27 @@ class Variant:
     value: Any
     hypothesis: str
     pass_condition: str
+    answers: str = "may_change"
+    """'same': the knob must not change any greedy answer (checked item by item, and ``agree``
+    items are judged); 'may_change': judged on correctness alone (loadtests/quality/decide.py)."""
+
+
+@dataclass(frozen=True)
+class QualitySpec:
+    """``[quality]``: answers checked on a task set (loadtests/quality/), per task type."""
+
+    tasks: str = "builtin"
+    """'builtin' or a task-set file (relative to the experiment file)."""
+    mix: float = 0.0
+    """Share of the rate runs' requests replaced by task items (their answers are checked, and an
+    accepted answer must be correct)."""
+    full_pass: bool = True
+    """After the rates, every item once on each server: the items the paired test compares."""
+    concurrency: int = 8
+    """Requests in flight during the full pass."""
+    confidence: float = 0.95
+    margin: float = 0.0
+    """A drop of at most this share (0.02: two points) counts as not worse once its interval fits."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,7 @@ class Experiment:
     scenario_overrides: dict[str, object] = field(default_factory=dict)
     baseline_repeats: int = 2
     noise_floor: float = 0.05
+    quality: QualitySpec | None = None
 
     @property
     def rates(self) -> list[float]:
@@ -111,7 +133,9 @@ def load_experiment(path: Path) -> Experiment:
         raise ExperimentError(f"{path}: {exc}") from exc
 
 
-TOP_KEYS = {"title", "description", "server", "baseline", "workload", "slo", "goodput", "cost", "variants", "noise"}
+TOP_KEYS = {"title", "description", "server", "baseline", "workload", "slo", "goodput", "cost", "variants", "noise",
+            "quality"}
+QUALITY_KEYS = {"tasks", "mix", "full_pass", "concurrency", "confidence", "margin"}
 NOISE_KEYS = {"baseline_repeats", "floor"}
 WORKLOAD_KEYS = {"scenario", "trace", "seed", "num_requests", "rates", "duration_s", "arrival", "burstiness",
                  "max_concurrency", "tokenizer", "request_timeout_s", "stop_on_slo", "cooldown_s", "decision_rate",
@@ -120,7 +144,8 @@ WORKLOAD_KEYS = {"scenario", "trace", "seed", "num_requests", "rates", "duration
 
 def _parse(raw: dict[str, Any], path: Path) -> Experiment:
     for where, keys, allowed in (("the file", raw, TOP_KEYS), ("[workload]", raw.get("workload", {}), WORKLOAD_KEYS),
-                                 ("[noise]", raw.get("noise", {}), NOISE_KEYS)):
+                                 ("[noise]", raw.get("noise", {}), NOISE_KEYS),
+                                 ("[quality]", raw.get("quality", {}), QUALITY_KEYS)):
         unknown = set(keys) - allowed
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -142,7 +167,7 @@ def _parse(raw: dict[str, Any], path: Path) -> Experiment:
     baseline = dict(raw.get("baseline", {}))
     variants = []
     for item in raw.get("variants", []):
-        extra = set(item) - {"name", "knob", "value", "hypothesis", "pass"}
+        extra = set(item) - {"name", "knob", "value", "hypothesis", "pass", "answers"}
         if extra:
             raise ValueError(f"variant {item.get('name')!r}: unknown keys {sorted(extra)}; a variant changes one knob")
         for key in ("name", "knob", "value", "hypothesis", "pass"):
@@ -151,8 +176,10 @@ def _parse(raw: dict[str, Any], path: Path) -> Experiment:
         if item["knob"] in baseline and baseline[item["knob"]] == item["value"]:
             raise ValueError(f"variant {item['name']!r} sets {item['knob']} to the baseline's own value")
         check_condition(str(item["pass"]))
+        from loadtests.quality.decide import answers_mode
+
         variants.append(Variant(str(item["name"]), str(item["knob"]), item["value"], str(item["hypothesis"]),
-                                str(item["pass"])))
+                                str(item["pass"]), answers_mode(str(item["knob"]), item.get("answers"))))
     if len({v.name for v in variants}) != len(variants) or any(v.name == "baseline" for v in variants):
         raise ValueError("variant names must be unique and not 'baseline'")
     noise = dict(raw.get("noise", {}))
@@ -162,6 +189,7 @@ def _parse(raw: dict[str, Any], path: Path) -> Experiment:
     floor = float(noise.get("floor", 0.05))
     if not 0.0 <= floor < 1.0:
         raise ValueError(f"[noise] floor must be in [0, 1), not {floor}")
+    quality = _quality(raw["quality"]) if "quality" in raw else None
     overrides = workload.pop("scenario_options", {})
     items = [f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in overrides.items()]
     return Experiment(
@@ -178,7 +206,27 @@ def _parse(raw: dict[str, Any], path: Path) -> Experiment:
         scenario_overrides=parse_overrides(items),
         baseline_repeats=repeats,
         noise_floor=floor,
+        quality=quality,
     )
+
+
+def _quality(raw: dict[str, Any]) -> QualitySpec:
+    spec = QualitySpec(
+        tasks=str(raw.get("tasks", "builtin")), mix=float(raw.get("mix", 0.0)),
+        full_pass=bool(raw.get("full_pass", True)), concurrency=int(raw.get("concurrency", 8)),
+        confidence=float(raw.get("confidence", 0.95)), margin=float(raw.get("margin", 0.0)),
+    )
+    if not 0.0 <= spec.mix <= 1.0:
+        raise ValueError(f"[quality] mix must be in [0, 1], not {spec.mix}")
+    if not 0.5 <= spec.confidence < 1.0:
+        raise ValueError(f"[quality] confidence must be in [0.5, 1), not {spec.confidence}")
+    if not 0.0 <= spec.margin < 1.0:
+        raise ValueError(f"[quality] margin must be in [0, 1), not {spec.margin}")
+    if spec.concurrency < 1:
+        raise ValueError("[quality] concurrency must be at least 1")
+    if not spec.full_pass and spec.mix == 0.0:
+        raise ValueError("[quality] checks nothing with full_pass = false and mix = 0")
+    return spec
 
 
 def check_condition(text: str) -> ast.Expression:

@@ -16,8 +16,11 @@ Definitions match ``vllm bench serve`` where the two overlap:
 Latency statistics use completed requests only; cancelled requests are
 counted apart, and the error rate is errors over requests sent. The cost per
 accepted answer is the GPU time of the run (duration x GPUs x price per
-GPU-hour) over the requests accepted: those meeting the goodput SLOs, or every
-completed one when no goodput SLO is set.
+GPU-hour) over the requests accepted: those meeting the goodput SLOs (or every
+completed one when no goodput SLO is set) whose answer, when it was checked, is
+correct. A request drawn from a task set with a wrong answer is never accepted,
+however fast it was; one that could not be judged (an ``agree`` item without a
+reference) is accepted on the SLOs alone. Goodput stays vLLM's (the SLOs only).
 """
 
 from __future__ import annotations
@@ -122,7 +125,8 @@ def summarize(
     output_tokens = sum(r.output_tokens for r in done)
     input_tokens = sum(r.prompt_tokens or 0 for r in done)
     good = [r for r in done if is_good(r, goodput)]
-    accepted = len(good) if goodput.configured else len(done)
+    on_time = good if goodput.configured else done
+    accepted = sum(1 for r in on_time if r.correct is not False)
     out: dict[str, Any] = {
         "num_requests": len(records),
         "completed": len(done),
@@ -145,8 +149,17 @@ def summarize(
         "good_requests": len(good) if goodput.configured else None,
         "goodput_rps": len(good) / dur if goodput.configured else None,
         "accepted": accepted,
+        "accepted_slo_only": len(on_time),
         "cost_per_accepted": cost_per_accepted(duration_s, accepted, cost),
     }
+    if any(r.task is not None for r in records):
+        from loadtests.quality.judge import quality_summary
+
+        checked = [r for r in done if r.correct is not None]
+        out["checked"] = len(checked)
+        out["correct"] = sum(1 for r in checked if r.correct)
+        out["correct_rate"] = out["correct"] / len(checked) if checked else None
+        out["quality"] = quality_summary(records)
     queue = [r.queue_time_s for r in done if r.queue_time_s is not None]
     if queue:
         out.update(_stats("client_reported_queue", queue))

@@ -45,6 +45,7 @@ OTHER_COLUMNS: list[tuple[str, str, str]] = [
     ("err 429/503/timeout/other", "errors_429|errors_503|errors_timeout|errors_other", "{:.0f}"),
     ("peak server MiB", "peak_memory_mib", "{:.0f}"),
     ("goodput req/s", "goodput_rps", "{:.3g}"),
+    ("accepted / on time", "accepted|accepted_slo_only", "{:.0f}"),
     ("cost per accepted", "cost_per_accepted", "{:.6f}"),
 ]
 
@@ -94,6 +95,9 @@ def render_board(results: dict[str, Any]) -> str:
     for config in results["configs"]:
         if config.get("server"):
             lines.append(f"- server `{config['name']}`: `{config['server'].get('command', '')}`")
+        if config.get("determinism"):
+            lines.append(f"- greedy answers of `{config['name']}` against the reference: "
+                         f"{determinism_words(config['determinism'])}")
         if config.get("sweep", {}).get("checked"):
             sweep = config["sweep"]
             what, unit = ("concurrency", "") if sweep.get("axis") == "concurrency" else ("rate", " req/s")
@@ -132,10 +136,31 @@ def render_board(results: dict[str, Any]) -> str:
             for g, s in r["groups"].items()
         ]
         lines += _table(["run", "group", *[c[0] for c in group_cols]], rows)
+    lines += quality_tables(runs + [(c["name"], c["quality_pass"]) for c in results["configs"]
+                                    if c.get("quality_pass")])
     for decision in results.get("decisions", []):
         lines += ["", render_decision(decision)]
     lines += ["", "Definitions: docs/loadtests.md (TTFT, TPOT, ITL and goodput as in `vllm bench serve`).", ""]
     return "\n".join(lines)
+
+
+def quality_tables(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Per run and task type: answers judged, correct share with its 95 % Wilson interval."""
+    rows = []
+    for config, run in runs:
+        for task, q in (run["summary"].get("quality") or {}).items():
+            share = "n/a" if q.get("correct_rate") is None else f"{q['correct_rate']:.1%}"
+            ci = ("n/a" if q.get("ci_low") is None
+                  else f"{q['ci_low']:.1%} - {q['ci_high']:.1%}")
+            rows.append([_run_label(config, run), task, str(q["judged"]), str(q["correct"]), share, ci,
+                         str(q["unjudged"]), str(q["unanswered"])])
+    if not rows:
+        return []
+    lines = ["", "## Answer quality by task type", "",
+             "An answer counts as accepted only when it met the SLOs **and** is correct "
+             "(docs/loadtests.md, \"Answer quality\").", ""]
+    return lines + _table(["run", "task type", "judged", "correct", "correct %", "95% CI", "unjudged",
+                           "unanswered"], rows)
 
 
 def slo_cell(run: dict[str, Any]) -> str:
@@ -173,7 +198,10 @@ def render_decision(decision: dict[str, Any]) -> str:
         text = json.dumps(value) if isinstance(value, dict | list) else str(value)
         lines.append(f"- **{label}**: {text}")
     lines.append("- **measured outcome**: " + _outcome(decision.get("measured_outcome")))
+    lines += _quality_lines(decision)
     lines.append(f"- **verdict**: {decision.get('verdict')}")
+    if decision.get("latency_verdict") and decision["latency_verdict"] != decision.get("verdict"):
+        lines.append(f"- **latency and cost alone**: {decision['latency_verdict']}")
     if decision.get("noise_rule"):
         lines.append(f"- **noise rule**: {decision['noise_rule']} (docs/loadtests.md, \"Noise-aware decisions\"); "
                      f"the condition on the baseline's mean alone: {decision.get('condition_on_means')}")
@@ -183,6 +211,62 @@ def render_decision(decision: dict[str, Any]) -> str:
         lines += ["- **memory** (measured, with `ferry plan`'s prediction in brackets):", ""]
         lines += ["  " + line for line in render_memory(decision["memory"])]
     return "\n".join(lines)
+
+
+def _quality_lines(decision: dict[str, Any]) -> list[str]:
+    """The quality part of a decision record: per task type on the same items, determinism, in words."""
+    quality = decision.get("quality")
+    if quality is None:
+        return []
+    lines = []
+    if decision.get("answers"):
+        lines.append("- **answers**: " + ("must not change (greedy answers compared item by item; open prompts "
+                                          "judged by agreement with the baseline)" if decision["answers"] == "same"
+                                          else "may change (judged on correctness alone)"))
+    if isinstance(quality, str):
+        return lines + [f"- **quality**: {quality}"]
+    lines += [f"- **quality** ({decision.get('quality_rule', '')}):", "",
+              "  | task type | items | baseline correct | variant correct | baseline only | variant only | p | call "
+              "| items to settle |", "  |---|---|---|---|---|---|---|---|---|"]
+    for q in quality:
+        n = q["items"] or 1
+        lines.append(f"  | {q['task']} | {q['items']} | {q['baseline_correct']} ({q['baseline_correct'] / n:.0%}) | "
+                     f"{q['variant_correct']} ({q['variant_correct'] / n:.0%}) | {q['baseline_only']} | "
+                     f"{q['variant_only']} | {q['p_value']:.3g} | {q['call']} | {q['items_to_settle'] or ''} |")
+    lines += ["", "- **quality in words**: " + quality_words(quality)]
+    for key, label in (("determinism", "greedy answers against the baseline"),
+                       ("baseline_repeatability", "the baseline against its own repeat")):
+        if decision.get(key):
+            lines.append(f"- **{label}**: {determinism_words(decision[key])}")
+    return lines
+
+
+def quality_words(quality: list[dict[str, Any]]) -> str:
+    worse = [q for q in quality if q["call"] == "worse"]
+    close = [q for q in quality if q["call"] == "within noise"]
+    better = [q for q in quality if q["call"] == "better"]
+    parts = []
+    if worse:
+        parts.append("quality dropped beyond noise in " + ", ".join(
+            f"{q['task']} ({q['baseline_correct']} -> {q['variant_correct']} of {q['items']} correct)" for q in worse))
+    if close:
+        parts.append("a difference inside the items' noise in " + ", ".join(
+            f"{q['task']} ({q['baseline_correct']} -> {q['variant_correct']} of {q['items']})" for q in close))
+    if better:
+        parts.append("better beyond noise in " + ", ".join(q["task"] for q in better))
+    steady = [q["task"] for q in quality if q["call"] == "not worse"]
+    if steady:
+        parts.append("not worse in " + ", ".join(steady))
+    return "; ".join(parts) + "." if parts else "no task type could be compared."
+
+
+def determinism_words(check: dict[str, Any]) -> str:
+    if not check.get("compared"):
+        return "no item answered by both"
+    if check.get("identical"):
+        return f"identical on all {check['compared']} items"
+    first = ", ".join(f"`{i}`" for i in check.get("first_differing") or [])
+    return f"not identical: {check['differing']} of {check['compared']} items differ (first: {first})"
 
 
 def _outcome(outcome: Any) -> str:

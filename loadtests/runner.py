@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ from loadtests.client import (
 )
 from loadtests.metrics import CostModel, GoodputSLO, RunSLO, slo_violations, summarize
 from loadtests.progress import Progress
+from loadtests.quality.checkers import Answer
+from loadtests.quality.judge import judge
 from loadtests.saturation import SaturationRule
 from loadtests.saturation import judge as judge_saturation
 from loadtests.scrape import MetricNames, MetricsScraper, server_deltas
@@ -80,6 +82,8 @@ class BenchSettings:
     records_dir: Path | None = None
     """Where per-request records are written as JSONL (None: not written)."""
     saturation: SaturationRule = field(default_factory=SaturationRule)
+    references: Mapping[str, Answer] | None = None
+    """Item id -> a reference run's answer: what ``agree`` task items are judged against."""
 
 
 def run_once(trace: Trace, plan: RunPlan, settings: BenchSettings) -> dict[str, Any]:
@@ -149,6 +153,17 @@ def build_result(
         "slo_violations": slo_violations(summary, settings.slo),
         "slo_targets": any(v is not None for v in vars(settings.slo).values()),
         "error_examples": sorted({f"{r.error_kind}: {r.error}" for r in records if r.status == "error"})[:5],
+        **({"items": answered_items(records)} if any(r.task is not None for r in records) else {}),
+    }
+
+
+def answered_items(records: list[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Request id -> what a task request answered and how it was judged (completed ones only):
+    what an experiment pairs item by item between configurations."""
+    return {
+        r.req_id: {"task": r.task, "correct": r.correct, "reason": r.check_reason, "text": r.text,
+                   "tool_calls": r.tool_calls, "finish_reason": r.finish_reason}
+        for r in records if r.task is not None and r.status == "ok"
     }
 
 
@@ -193,6 +208,7 @@ async def _tracked(
     if record.http_status in AUTH_STATUSES:
         # every other request would be refused the same way: stop the run, say why
         raise auth_refused(record.http_status or 0, record.error or "", settings.client.api_key)
+    judge(record, request, settings.references)
     on_done(record)
     return record
 

@@ -18,6 +18,11 @@ Request line (only ``max_tokens`` and one of ``messages``/``prompt`` are require
 - ``prefix_group``: requests sharing a prompt prefix carry the same label.
 - ``cancel_after``: the client closes the stream after this many output tokens.
 - ``prompt_tokens``: token count of the generated content, for the record.
+- ``task``, ``check``, ``body``: a request drawn from a task set (loadtests/quality/): its task
+  type, how its answer is judged (``{"checker", "expected", "params"}``), and extra request
+  fields (``response_format``, ``tools``, ``tool_choice``). Such a request is sent greedy and
+  its answer is checked when it finishes. The three are written only when set, so a trace
+  without task items keeps the hash it always had.
 
 An optional first line ``{"ferry_trace": VERSION, ...metadata}`` carries the
 format version and how the trace was made (scenario, seed, tokenizer). The
@@ -52,6 +57,17 @@ class TraceRequest:
     prefix_group: str | None = None
     cancel_after: int | None = None
     prompt_tokens: int | None = None
+    task: str | None = None
+    """The task type of a request drawn from a task set (None: synthetic traffic, not checked)."""
+    check: dict[str, Any] | None = None
+    """How the answer is judged: ``{"checker": ..., "expected": ..., "params": {...}}``."""
+    body: dict[str, Any] | None = None
+    """Extra request fields sent as they are (``response_format``, ``tools``, ``tool_choice``)."""
+
+    @property
+    def item_id(self) -> str:
+        """The task item this request asks (a repeated item's ids end in ``#2``, ``#3``, ...)."""
+        return self.id.split("#", 1)[0]
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "offset_s": round(self.offset_s, 6), "group": self.group}
@@ -63,6 +79,9 @@ class TraceRequest:
         out["prefix_group"] = self.prefix_group
         out["cancel_after"] = self.cancel_after
         out["prompt_tokens"] = self.prompt_tokens
+        for key in ("task", "check", "body"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
     @classmethod
@@ -89,6 +108,19 @@ class TraceRequest:
         cancel_after = raw.get("cancel_after")
         if cancel_after is not None and (not isinstance(cancel_after, int) or cancel_after < 1):
             raise fail("'cancel_after' must be a positive integer or null")
+        task, check, body = raw.get("task"), raw.get("check"), raw.get("body")
+        if (task is None) != (check is None):
+            raise fail("'task' and 'check' go together: a task item names its type and how it is judged")
+        if check is not None:
+            from loadtests.quality.checkers import CHECKERS, spec_problem
+
+            if not isinstance(check, dict) or check.get("checker") not in CHECKERS:
+                raise fail(f"'check' must be an object whose 'checker' is one of {', '.join(CHECKERS)}")
+            problem = spec_problem(check)
+            if problem:
+                raise fail(f"'check': {problem}")
+        if body is not None and not isinstance(body, dict):
+            raise fail("'body' must be an object of extra request fields")
         offset = raw.get("offset_s", 0.0)
         if not isinstance(offset, int | float) or offset < 0:
             raise fail("'offset_s' must be a non-negative number")
@@ -102,6 +134,9 @@ class TraceRequest:
             prefix_group=None if raw.get("prefix_group") is None else str(raw["prefix_group"]),
             cancel_after=cancel_after,
             prompt_tokens=raw.get("prompt_tokens"),
+            task=None if task is None else str(task),
+            check=check,
+            body=body,
         )
 
 
@@ -125,14 +160,21 @@ class Trace:
         span = max(r.offset_s for r in self.requests) - min(r.offset_s for r in self.requests)
         return (len(self.requests) - 1) / span if span > 0 else float("inf")
 
+    @property
+    def task_types(self) -> list[str]:
+        return sorted({r.task for r in self.requests if r.task is not None})
+
     def describe(self) -> dict[str, Any]:
-        return {
+        out = {
             "format_version": TRACE_FORMAT_VERSION,
             "sha256": self.content_hash,
             "num_requests": len(self.requests),
             "groups": {g: sum(1 for r in self.requests if r.group == g) for g in self.groups},
             **{k: v for k, v in self.meta.items() if k != "ferry_trace"},
         }
+        if self.task_types:
+            out["task_requests"] = {t: sum(1 for r in self.requests if r.task == t) for t in self.task_types}
+        return out
 
 
 def canonical_line(request: TraceRequest) -> str:

@@ -121,6 +121,74 @@ def test_smoke_against_transformers_serve(transformers_server: str, tmp_path: Pa
     assert re.search(r"\| 2rps \| 2 \| [0-9.]+ \| [0-9]+ \| n/a \| [0-9]+ \| [0-9.]+ \| n/a \|", board)
 
 
+TASKS = [
+    {"id": "add-1", "task": "arithmetic", "checker": "numeric", "expected": 5, "max_tokens": 4,
+     "messages": [{"role": "user", "content": "What is 2 + 3?"}]},
+    {"id": "add-2", "task": "arithmetic", "checker": "numeric", "expected": 7, "max_tokens": 4,
+     "prompt": "4 + 3 ="},
+    {"id": "json-1", "task": "structured", "checker": "json_schema", "expected": {"city": "Lisbon"}, "max_tokens": 24,
+     "messages": [{"role": "user", "content": "Ana lives in Lisbon. Her city as JSON."}],
+     "request": {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+         "additionalProperties": False}}}}},
+    {"id": "tool-1", "task": "tools", "checker": "tool_call", "expected": {"name": "set_timer"}, "max_tokens": 24,
+     "messages": [{"role": "user", "content": "Set a timer for 5 minutes."}],
+     "request": {"tool_choice": "required", "tools": [
+         {"type": "function", "function": {"name": "set_timer", "parameters": {
+             "type": "object", "properties": {"minutes": {"type": "integer", "minimum": 1, "maximum": 99}},
+             "required": ["minutes"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+             "additionalProperties": False}}}]}},
+    {"id": "open-1", "task": "open", "checker": "agree", "max_tokens": 6,
+     "messages": [{"role": "user", "content": "Say something about the sea."}]},
+]
+
+
+def write_tasks(path: Path) -> Path:
+    path.write_text("".join(json.dumps(item) + "\n" for item in TASKS))
+    return path
+
+
+def check_quality(summary: dict, judged_types: set[str]) -> None:
+    """Every task type answered was judged (or, for open items, counted unjudged); accepted <= on time."""
+    quality = summary["quality"]
+    assert set(quality) <= {"arithmetic", "structured", "tools", "open"} and judged_types <= set(quality)
+    for task, q in quality.items():
+        if task == "open":
+            assert q["judged"] + q["unjudged"] >= 1
+        else:
+            assert q["judged"] >= 1 and 0 <= q["correct"] <= q["judged"]
+    assert summary["accepted"] <= summary["accepted_slo_only"]
+
+
+@pytest.mark.slow
+def test_task_items_mixed_into_the_load_and_a_quality_pass(serve_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    tasks = write_tasks(tmp_path / "tasks.jsonl")
+    results = smoke(serve_cluster.base_url, tmp_path / "mixed", "--tasks", str(tasks), "--task-fraction", "0.5")
+    summaries = [run["summary"] for run in results["configs"][0]["runs"]]
+    assert sum(s.get("checked", 0) for s in summaries) >= 2
+    assert "## Answer quality by task type" in (tmp_path / "mixed" / "board.md").read_text()
+    # a quality pass, then the same pass judged against the first: the tiny model's grammar-bound answers
+    first, second = tmp_path / "q1", tmp_path / "q2"
+    base = ["bench", "quality", "--base-url", serve_cluster.base_url, "--tasks", str(tasks), "--concurrency", "2",
+            "--quiet"]
+    assert ferry_main([*base, "--out", str(first)]) == 0
+    assert ferry_main([*base, "--out", str(second), "--reference", str(first / "results.json")]) == 0
+    one = json.loads((first / "results.json").read_text())["configs"][0]
+    two = json.loads((second / "results.json").read_text())["configs"][0]
+    check_quality(one["quality_pass"]["summary"], {"arithmetic", "structured", "tools"})
+    assert one["quality_pass"]["summary"]["quality"]["open"]["unjudged"] == 1  # nothing to agree with yet
+    assert two["quality_pass"]["summary"]["quality"]["open"]["judged"] == 1  # judged against the first pass
+    assert two["determinism"]["compared"] == len(TASKS)
+    # a structured answer is valid JSON for its schema: the grammar saw to it, the checker confirms it
+    structured = one["quality_pass"]["items"]["json-1"]
+    assert json.loads(structured["text"])["city"] and structured["reason"] is not None
+    tool = one["quality_pass"]["items"]["tool-1"]
+    assert tool["tool_calls"] and tool["tool_calls"][0][0] in ("set_timer", "get_weather")
+    assert tool["correct"] == (tool["tool_calls"][0][0] == "set_timer")
+
+
 EXPERIMENT = """
 title = "smoke experiment"
 [server]
@@ -144,6 +212,10 @@ output_tokens = [2, 8]
 ttft_ms = 10000
 [cost]
 price_per_gpu_hour = 2.0
+[quality]
+tasks = "tasks.jsonl"
+mix = 0.3
+concurrency = 2
 [[variants]]
 name = "seq-cap-1"
 knob = "max_num_seqs"
@@ -157,6 +229,7 @@ pass = "completed_rps > 0 and ttft_p95_ms >= 0"
 def test_experiment_starts_and_stops_ferry(tiny_model_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "smoke.toml"
     path.write_text(EXPERIMENT.format(model=tiny_model_dir))
+    write_tasks(tmp_path / "tasks.jsonl")
     out = tmp_path / "out"
     assert ferry_main(["bench", "experiment", str(path), "--out", str(out), "--quiet"]) == 0
     results = json.loads((out / "results.json").read_text())
@@ -164,7 +237,18 @@ def test_experiment_starts_and_stops_ferry(tiny_model_dir: Path, tmp_path: Path)
     assert [c["name"] for c in results["configs"]] == ["baseline", "seq-cap-1", "baseline (repeat 2)"]
     assert "--max-num-seqs 1" in results["configs"][1]["server"]["command"]
     (decision,) = results["decisions"]
-    assert decision["verdict"] == "better" and decision["changed_parameter"] == "max_num_seqs: 8 -> 1"
+    assert decision["latency_verdict"] == "better" and decision["changed_parameter"] == "max_num_seqs: 8 -> 1"
+    # quality: every configuration answered every item once; a scheduling knob must not change answers,
+    # so the record pairs the items per task type, open ones by agreement, and says whether greedy
+    # answers were identical; one item per type cannot show a drop beyond noise, so a lost answer
+    # turns the faster variant's "better" into "no decision"
+    assert decision["answers"] == "same" and decision["determinism"]["compared"] == len(TASKS)
+    assert {q["task"] for q in decision["quality"]} == {"arithmetic", "structured", "tools", "open"}
+    lost = any(q["baseline_only"] > q["variant_only"] for q in decision["quality"])
+    assert decision["verdict"] == ("no decision: quality within noise (" if lost else "better") or lost and \
+        decision["verdict"].startswith("no decision: quality within noise (")
+    for config in results["configs"]:
+        check_quality(config["quality_pass"]["summary"], {"arithmetic", "structured", "tools"})
     assert len(decision["measured_outcome"]["baseline_runs"]["completed_rps"]) == 2
     memory = decision["memory"]["seq-cap-1"]
     assert memory["measured"]["kv_blocks_total"] == memory["predicted"]["kv_blocks"] > 0  # ferry plan agrees

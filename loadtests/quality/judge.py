@@ -1,0 +1,79 @@
+"""Judging finished requests, and the per-task-type quality of a run.
+
+Every completed request that came from a task set is checked when it finishes
+(``judge``): the checker's verdict and reason go into its record. A run's quality
+(``quality_summary``) is, per task type, how many answers were judged, how many were
+correct, the share with its Wilson interval, and how many could not be judged (an ``agree``
+item with no reference answer) or got no answer (errors and timeouts; those are already in
+the error rate and are never counted as wrong answers).
+
+The references an ``agree`` item is judged against are another run's answers to the same items
+(``answers_of``): in an experiment, the baseline's quality pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from loadtests.client import RequestRecord
+from loadtests.quality.checkers import Answer, check
+from loadtests.quality.stats import wilson
+from loadtests.trace import TraceRequest
+
+CONFIDENCE = 0.95
+
+
+def answer_of(record: RequestRecord) -> Answer:
+    calls = tuple((str(name), str(args)) for name, args in (record.tool_calls or []))
+    return Answer(record.text or "", calls, record.finish_reason)
+
+
+def judge(record: RequestRecord, request: TraceRequest, references: Mapping[str, Answer] | None = None) -> None:
+    """Check one finished request's answer in place (a no-op for synthetic or unfinished requests)."""
+    if request.check is None or record.status != "ok":
+        return
+    reference = None if references is None else references.get(request.item_id)
+    verdict = check(request.check, answer_of(record), reference)
+    record.correct, record.check_reason = verdict.correct, verdict.reason
+
+
+def answers_of(records: Iterable[RequestRecord]) -> dict[str, Answer]:
+    """Item id -> the answer a run gave (the first completed one, for items asked twice)."""
+    out: dict[str, Answer] = {}
+    for record in records:
+        if record.task is not None and record.status == "ok":
+            out.setdefault(record.req_id.split("#", 1)[0], answer_of(record))
+    return out
+
+
+def answers_of_items(items: Mapping[str, Mapping[str, Any]]) -> dict[str, Answer]:
+    """The same from a run result's ``items`` (request id -> answer and verdict)."""
+    out: dict[str, Answer] = {}
+    for rid, item in items.items():
+        calls = tuple((str(n), str(a)) for n, a in item.get("tool_calls") or [])
+        out.setdefault(rid.split("#", 1)[0], Answer(str(item.get("text") or ""), calls, item.get("finish_reason")))
+    return out
+
+
+def quality_summary(records: Iterable[RequestRecord], confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Per task type: judged, correct, correct share and its Wilson interval, unjudged, unanswered."""
+    by_task: dict[str, dict[str, int]] = {}
+    for record in records:
+        if record.task is None or record.status == "cancelled":
+            continue
+        counts = by_task.setdefault(record.task, {"judged": 0, "correct": 0, "unjudged": 0, "unanswered": 0})
+        if record.status != "ok":
+            counts["unanswered"] += 1
+        elif record.correct is None:
+            counts["unjudged"] += 1
+        else:
+            counts["judged"] += 1
+            counts["correct"] += int(record.correct)
+    out: dict[str, Any] = {}
+    for task in sorted(by_task):
+        counts = by_task[task]
+        n, k = counts["judged"], counts["correct"]
+        lo, hi = wilson(k, n, confidence) if n else (None, None)
+        out[task] = {**counts, "correct_rate": k / n if n else None, "ci_low": lo, "ci_high": hi}
+    return out
