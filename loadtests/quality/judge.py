@@ -34,7 +34,11 @@ def judge(record: RequestRecord, request: TraceRequest, references: Mapping[str,
     if request.check is None or record.status != "ok":
         return
     reference = None if references is None else references.get(request.item_id)
-    verdict = check(request.check, answer_of(record), reference)
+    try:
+        verdict = check(request.check, answer_of(record), reference)
+    except Exception as exc:  # noqa: BLE001 - a checker's bug must not end a run; the answer stays unjudged
+        record.correct, record.check_reason = None, f"the checker failed: {type(exc).__name__}: {exc}"[:300]
+        return
     record.correct, record.check_reason = verdict.correct, verdict.reason
 
 

@@ -243,6 +243,16 @@ def test_quality_section_is_checked(tmp_path: Path) -> None:
         path.write_text(MINIMAL.replace(*change))
         with pytest.raises(ExperimentError, match=message):
             load_experiment(path)
+    # the bounds at their edges: mix 0 and 1, confidence 0.5, margin 0 are allowed; just past them are not
+    for change in (("mix = 0.2", "mix = 1.0"), ("mix = 0.2", "mix = 0.0"), ("mix = 0.2", "confidence = 0.5"),
+                   ("mix = 0.2", "margin = 0.0")):
+        path.write_text(MINIMAL.replace(*change))
+        assert load_experiment(path).quality is not None
+    for change in (("mix = 0.2", "confidence = 0.4999"), ("mix = 0.2", "margin = -0.001"),
+                   ("mix = 0.2", "margin = 1.0"), ("mix = 0.2", "mix = -0.01"), ("mix = 0.2", "concurrency = 0")):
+        path.write_text(MINIMAL.replace(*change))
+        with pytest.raises(ExperimentError):
+            load_experiment(path)
 
 
 def test_the_board_shows_quality_per_task_type() -> None:
@@ -258,3 +268,16 @@ def test_the_board_shows_quality_per_task_type() -> None:
     assert "| 1rps | arith | 40 | 20 | 50.0% | 35.0% - 65.0% | 0 | 1 |" in board
     assert "| quality-pass | arith | 40 |" in board  # the config named "run" is not repeated
     assert "not identical: 1 of 4 items differ (first: `a1`)" in board
+
+
+def test_a_checker_that_fails_leaves_the_answer_unjudged(monkeypatch: pytest.MonkeyPatch) -> None:
+    import loadtests.quality.judge as judge_module
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(judge_module, "check", broken)
+    (a1,) = [r for r in full_pass_trace(TASKS).requests if r.id == "a1"]
+    record = _record("a1", "arithmetic", text="12")
+    judge(record, a1)
+    assert record.correct is None and record.check_reason == "the checker failed: KeyError: 'boom'"
