@@ -19,7 +19,7 @@ from loadtests.quality import decide as qd
 
 OUTCOME_KEYS = ("completed_rps", "goodput_rps", "ttft_p95_ms", "queue_p95_ms", "queue_p95_below_ms", "e2e_p95_ms",
                 "itl_p95_ms", "error_rate", "preemptions", "peak_memory_bytes", "peak_kv_blocks_used",
-                "cost_per_accepted", "max_ok_rate")
+                "accepted", "cost_per_accepted", "max_ok_rate")
 
 
 def measures(config_result: dict[str, Any], decision_rate: float) -> dict[str, Any]:

@@ -38,7 +38,8 @@ from loadtests.experiment import _BINOPS, Unavailable, check_condition
 
 DEFAULT_NOISE_FLOOR = 0.05
 HIGHER_IS_BETTER = frozenset({"completed_rps", "goodput_rps", "output_tok_s", "total_tok_s", "max_ok_rate",
-                              "slo_met", "sent_rps"})
+                              "slo_met", "sent_rps", "kv_blocks_total", "accepted", "accepted_slo_only", "correct",
+                              "correct_rate"})
 
 
 @dataclass(frozen=True)

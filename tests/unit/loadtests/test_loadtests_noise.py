@@ -60,6 +60,9 @@ def test_each_measure_is_called_by_its_direction() -> None:
     assert call_measure("ttft_p95_ms", 111.0, noise) == "worse"
     assert call_measure("ttft_p95_ms", 109.0, noise) == "within noise"
     assert call_measure("goodput_rps", 111.0, noise) == "better"
+    # more KV blocks in the same memory, more accepted or correct answers: higher is better
+    for name in ("kv_blocks_total", "accepted", "correct_rate"):
+        assert call_measure(name, 111.0, noise) == "better" and call_measure(name, 85.0, noise) == "worse"
     assert call_measure("goodput_rps", None, noise) == "n/a"
 
 
