@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,16 +178,26 @@ class Trace:
         return out
 
 
+def canonical_json(record: dict[str, Any]) -> str:
+    """One record's canonical line: sorted keys, no spaces, UTF-8 as written (traces and task sets)."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def lines_hash(records: Iterable[dict[str, Any]]) -> str:
+    """SHA-256 of the records' canonical lines, one ``\\n`` each: what a file's content hash covers."""
+    h = hashlib.sha256()
+    for record in records:
+        h.update(canonical_json(record).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
 def canonical_line(request: TraceRequest) -> str:
-    return json.dumps(request.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canonical_json(request.to_dict())
 
 
 def content_hash(requests: list[TraceRequest]) -> str:
-    h = hashlib.sha256()
-    for request in requests:
-        h.update(canonical_line(request).encode())
-        h.update(b"\n")
-    return h.hexdigest()
+    return lines_hash(r.to_dict() for r in requests)
 
 
 def write_trace(trace: Trace, path: Path) -> str:

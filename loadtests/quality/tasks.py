@@ -27,7 +27,6 @@ its header does not change it, while any change to an item does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.quality.checkers import CHECKERS, spec_problem
+from loadtests.trace import canonical_json, lines_hash
 
 TASKS_FORMAT_VERSION = 1
 BUILTIN = "builtin"
@@ -162,15 +162,11 @@ class TaskItem:
 
 
 def canonical_line(item: TaskItem) -> str:
-    return json.dumps(item.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canonical_json(item.to_dict())
 
 
 def content_hash(items: list[TaskItem]) -> str:
-    h = hashlib.sha256()
-    for item in items:
-        h.update(canonical_line(item).encode())
-        h.update(b"\n")
-    return h.hexdigest()
+    return lines_hash(item.to_dict() for item in items)
 
 
 @dataclass
