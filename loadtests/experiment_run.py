@@ -8,6 +8,7 @@ decision record per variant (``loadtests.experiment.decide``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from loadtests.decision import decide
 from loadtests.experiment import Experiment
 from loadtests.memory_view import memory_view
 from loadtests.quality.checkers import Answer
-from loadtests.quality.judge import answers_of_items
+from loadtests.quality.judge import answers_of_items, quality_of_items
 from loadtests.quality.mix import full_pass_trace, mix_tasks
 from loadtests.quality.tasks import TaskSet, load_taskset
 from loadtests.report import slug, write_results
@@ -170,13 +171,35 @@ def _run_one(experiment: Experiment, name: str, knobs: dict[str, Any], trace: Tr
     return entry
 
 
-def quality_pass(taskset: TaskSet, settings: BenchSettings, concurrency: int, name: str, log: Log) -> dict[str, Any]:
-    """Every item of the task set once, ``concurrency`` in flight, judged: the items the paired test uses."""
+def quality_pass(taskset: TaskSet, settings: BenchSettings, concurrency: int, name: str, log: Log,
+                 retries: int = 4) -> dict[str, Any]:
+    """Every item of the task set once, ``concurrency`` in flight, judged: the items the paired test uses.
+
+    The pass is about answers, not latency: an item the server refused or failed (a 429 from a small
+    waiting queue, a 503, a timeout) is asked again, up to ``retries`` more rounds with half the
+    requests in flight each time, so a configuration with tight admission limits is still compared
+    on every item. The result's quality counts every round; ``retried`` says how many went again."""
     trace = full_pass_trace(taskset)
     log(f"[{name}] quality pass: {len(trace.requests)} items, {concurrency} in flight")
     plan = RunPlan("quality-pass", 24 * 3600.0, ArrivalSpec("closed"), concurrency=concurrency)
     result = run_once(trace, plan, settings)
-    for task, q in (result["summary"].get("quality") or {}).items():
+    items = dict(result.get("items") or {})
+    result["retried"] = []
+    for round_ in range(1, retries + 1):
+        missing = [r for r in trace.requests if r.id not in items]
+        if not missing:
+            break
+        concurrency = max(1, concurrency // 2)
+        log(f"[{name}] quality pass: {len(missing)} items unanswered, asking again ({concurrency} in flight)")
+        result["retried"].append(len(missing))
+        time.sleep(1.0)
+        again = run_once(Trace(missing, dict(trace.meta)), RunPlan(f"quality-pass-retry-{round_}", 24 * 3600.0,
+                         ArrivalSpec("closed"), concurrency=concurrency), settings)
+        items.update(again.get("items") or {})
+    result["items"] = items
+    result["summary"]["quality"] = quality_of_items(items, {r.id: str(r.task) for r in trace.requests})
+    for task, q in result["summary"]["quality"].items():
         share = "n/a" if q["correct_rate"] is None else f"{q['correct_rate']:.1%}"
-        log(f"[{name}] quality pass {task}: {q['correct']}/{q['judged']} correct ({share})")
+        log(f"[{name}] quality pass {task}: {q['correct']}/{q['judged']} correct ({share})"
+            + (f", {q['unanswered']} unanswered" if q["unanswered"] else ""))
     return result

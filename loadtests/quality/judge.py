@@ -74,6 +74,29 @@ def quality_summary(records: Iterable[RequestRecord], confidence: float = CONFID
         else:
             counts["judged"] += 1
             counts["correct"] += int(record.correct)
+    return _shares(by_task, confidence)
+
+
+def quality_of_items(items: Mapping[str, Mapping[str, Any]], asked: Mapping[str, str],
+                     confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """``quality_summary`` from a pass's answered items (request id -> answer and verdict) and every
+    item it asked (request id -> task type): what was never answered counts as unanswered."""
+    by_task: dict[str, dict[str, int]] = {}
+    for rid, task in asked.items():
+        counts = by_task.setdefault(task, {"judged": 0, "correct": 0, "unjudged": 0, "unanswered": 0})
+        item = items.get(rid)
+        if item is None:
+            counts["unanswered"] += 1
+        elif item.get("correct") is None:
+            counts["unjudged"] += 1
+        else:
+            counts["judged"] += 1
+            counts["correct"] += int(bool(item["correct"]))
+    return _shares(by_task, confidence)
+
+
+def _shares(by_task: dict[str, dict[str, int]], confidence: float) -> dict[str, Any]:
+    """The counts per task type with the correct share and its Wilson interval."""
     out: dict[str, Any] = {}
     for task in sorted(by_task):
         counts = by_task[task]

@@ -281,3 +281,36 @@ def test_a_checker_that_fails_leaves_the_answer_unjudged(monkeypatch: pytest.Mon
     record = _record("a1", "arithmetic", text="12")
     judge(record, a1)
     assert record.correct is None and record.check_reason == "the checker failed: KeyError: 'boom'"
+
+
+def test_quality_of_a_pass_counts_what_was_never_answered() -> None:
+    from loadtests.quality.judge import quality_of_items
+
+    items = {"a1": {"correct": True}, "a2": {"correct": False}, "o1": {"correct": None}}
+    q = quality_of_items(items, {"a1": "arith", "a2": "arith", "a3": "arith", "o1": "open"})
+    assert q["arith"] == {**q["arith"], "judged": 2, "correct": 1, "unanswered": 1, "correct_rate": 0.5}
+    assert q["open"]["unjudged"] == 1 and q["open"]["correct_rate"] is None
+
+
+def test_the_quality_pass_asks_refused_items_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that refuses half of what it is asked (a 429 from a small queue) still gets every item
+    answered: refused items go again with fewer in flight."""
+    import loadtests.experiment_run as run_module
+
+    calls: list[tuple[int, int]] = []
+
+    def fake_run_once(trace: Trace, plan, settings) -> dict:  # type: ignore[no-untyped-def]
+        calls.append((len(trace.requests), plan.concurrency))
+        answered = trace.requests[: max(1, len(trace.requests) // 2)]  # the rest refused
+        return {"summary": {}, "items": {r.id: {"task": r.task, "correct": True} for r in answered}}
+
+    monkeypatch.setattr(run_module, "run_once", fake_run_once)
+    monkeypatch.setattr(run_module.time, "sleep", lambda s: None)
+    result = run_module.quality_pass(TASKS, None, 8, "v", lambda m: None)  # type: ignore[arg-type]
+    assert calls == [(4, 8), (2, 4), (1, 2)]
+    assert result["retried"] == [2, 1] and len(result["items"]) == 4
+    assert all(q["unanswered"] == 0 for q in result["summary"]["quality"].values())
+    calls.clear()
+    result = run_module.quality_pass(TASKS, None, 8, "v", lambda m: None, retries=1)  # type: ignore[arg-type]
+    assert calls == [(4, 8), (2, 4)]  # one round of retries only: one item stays unanswered, and says so
+    assert sum(q["unanswered"] for q in result["summary"]["quality"].values()) == 1
