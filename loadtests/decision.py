@@ -20,6 +20,9 @@ from loadtests.quality import decide as qd
 OUTCOME_KEYS = ("completed_rps", "goodput_rps", "ttft_p95_ms", "queue_p95_ms", "queue_p95_below_ms", "e2e_p95_ms",
                 "itl_p95_ms", "error_rate", "preemptions", "peak_memory_bytes", "peak_kv_blocks_used",
                 "accepted", "cost_per_accepted", "max_ok_rate")
+ERROR_GUARD = 0.01
+"""A variant failing more than this share of requests beyond the baseline is never 'better' unless its
+pass condition reads ``error_rate``."""
 
 
 def measures(config_result: dict[str, Any], decision_rate: float) -> dict[str, Any]:
@@ -71,6 +74,7 @@ def decide(experiment: Experiment, variant: Variant, baseline_results: list[dict
         "difference": {k: _diff(mine.get(k), mean.get(k)) for k in keys},
         "call": {k: call_measure(k, _float(mine.get(k)), noise.get(k, {})) for k in keys},
     }
+    verdict = _errors_guard(verdict, variant.pass_condition, mine, outcome)
     record = {
         "variant": variant.name,
         "hypothesis": variant.hypothesis,
@@ -88,6 +92,19 @@ def decide(experiment: Experiment, variant: Variant, baseline_results: list[dict
     if experiment.quality is not None:
         _fold_quality(record, experiment, variant, baseline_results, variant_result)
     return record
+
+
+def _errors_guard(verdict: str, condition: str, mine: dict[str, Any], outcome: dict[str, Any]) -> str:
+    """A variant that fails more requests than the baseline, beyond noise, is never 'better' on the
+    latency of the requests that survived, unless its pass condition weighs errors itself (a queue
+    limit trades refusals for latency on purpose and says how many it allows)."""
+    if "error_rate" in condition_names(condition) or outcome["call"].get("error_rate") != "worse":
+        return verdict
+    base = outcome["baseline"].get("error_rate")
+    if (_float(mine.get("error_rate")) or 0.0) - (_float(base) or 0.0) <= ERROR_GUARD:
+        return verdict
+    return (f"worse: errors (error rate {_float(mine.get('error_rate')) or 0:.3f} against "
+            f"{_float(base) or 0:.3f}; the pass condition does not weigh errors)")
 
 
 def answered_items(config_result: dict[str, Any], decision_rate: float) -> dict[str, Any] | None:

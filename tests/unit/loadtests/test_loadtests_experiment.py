@@ -195,3 +195,27 @@ def test_decide_only_rewrites_the_records_from_results_json(tmp_path: Path) -> N
     assert "verdict**: better" in (out / "decision-v.md").read_text()
     with pytest.raises(ValueError, match="cannot re-decide"):
         redecide(experiment, tmp_path / "missing")
+
+
+def test_a_variant_that_fails_more_requests_is_never_better_on_its_survivors(tmp_path: Path) -> None:
+    experiment = load_experiment(write(tmp_path, MINIMAL))
+
+    def config(ttft: float, errors: float) -> dict:
+        runs = [{"rate": r, "slo_violations": [], "summary": {"ttft_p95_ms": ttft, "error_rate": errors}}
+                for r in (1.0, 2.0)]
+        return {"name": "c", "runs": runs, "sweep": {"max_rate_meeting_slo": 2.0}}
+
+    baselines = [config(100.0, 0.0), config(104.0, 0.0)]
+    # 78 % of requests refused, the rest fast: the latency condition alone would call it better
+    record = decide(experiment, experiment.variants[0], baselines, config(50.0, 0.78), {})
+    assert record["verdict"] == ("worse: errors (error rate 0.780 against 0.000; the pass condition does not "
+                                 "weigh errors)")
+    # at the guard's edge: 1 point more errors still lets the condition decide; just past it does not
+    assert decide(experiment, experiment.variants[0], baselines, config(50.0, 0.01), {})["verdict"] == "better"
+    assert decide(experiment, experiment.variants[0], baselines, config(50.0, 0.0101),
+                  {})["verdict"].startswith("worse: errors")
+    # a condition that weighs errors itself (a queue limit trading refusals for latency) is left to decide
+    text = MINIMAL.replace('pass = "ttft_p95_ms <= baseline.ttft_p95_ms"',
+                           'pass = "ttft_p95_ms <= baseline.ttft_p95_ms and error_rate <= 0.9"')
+    weighed = load_experiment(write(tmp_path, text))
+    assert decide(weighed, weighed.variants[0], baselines, config(50.0, 0.78), {})["verdict"] == "better"
