@@ -237,8 +237,8 @@ def _experiment(args: argparse.Namespace, command: list[str]) -> int:
 def _traffic(args: argparse.Namespace, scenario: str | None, num: int) -> Any:
     """The trace a run sends: a scenario's or a file's, with task items mixed in when --tasks is given."""
     from loadtests.bench import load_or_generate
+    from loadtests.quality.builtin import load_taskset
     from loadtests.quality.mix import mix_tasks, taskset_trace
-    from loadtests.quality.tasks import load_taskset
 
     if scenario == "tasks":
         return taskset_trace(load_taskset(args.tasks or "builtin"), num, args.seed)
@@ -249,7 +249,8 @@ def _traffic(args: argparse.Namespace, scenario: str | None, num: int) -> Any:
 
 
 def _tasks(args: argparse.Namespace) -> int:
-    from loadtests.quality.tasks import load_taskset, write_taskset
+    from loadtests.quality.builtin import load_taskset
+    from loadtests.quality.tasks import write_taskset
 
     taskset = load_taskset("builtin")
     digest = write_taskset(taskset, args.out)
@@ -267,10 +268,10 @@ def _quality(args: argparse.Namespace, command: list[str]) -> int:
     from loadtests.client import ClientConfig, discover_model_sync
     from loadtests.decision import answered_items
     from loadtests.experiment_run import quality_pass
+    from loadtests.quality.builtin import load_taskset
     from loadtests.quality.decide import determinism
     from loadtests.quality.judge import answers_of_items
     from loadtests.quality.mix import full_pass_trace
-    from loadtests.quality.tasks import load_taskset
     from loadtests.report import determinism_words, write_results
     from loadtests.runner import BenchSettings
 

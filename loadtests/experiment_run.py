@@ -19,10 +19,11 @@ from loadtests.client import ClientConfig, discover_model_sync
 from loadtests.decision import decide
 from loadtests.experiment import Experiment
 from loadtests.memory_view import memory_view
+from loadtests.quality.builtin import load_taskset
 from loadtests.quality.checkers import Answer
 from loadtests.quality.judge import answers_of_items, quality_of_items
 from loadtests.quality.mix import full_pass_trace, mix_tasks
-from loadtests.quality.tasks import TaskSet, load_taskset
+from loadtests.quality.tasks import TaskSet
 from loadtests.report import slug, write_results
 from loadtests.runner import BenchSettings, RunPlan, run_once, warmup
 from loadtests.server import ManagedServer, ServerStartError

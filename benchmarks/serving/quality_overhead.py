@@ -33,9 +33,9 @@ from benchmarks.bench_io import header
 from benchmarks.peers.board import SERVED_NAME, load_average, log
 from loadtests.arrivals import ArrivalSpec
 from loadtests.client import ClientConfig
+from loadtests.quality.builtin import load_taskset
 from loadtests.quality.checkers import Answer, check
 from loadtests.quality.mix import mix_tasks
-from loadtests.quality.tasks import load_taskset
 from loadtests.runner import BenchSettings, RunPlan, run_once, warmup
 from loadtests.scenarios import generate
 from loadtests.server import ManagedServer, ServerSpec

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from loadtests.quality.tasks import TaskItem, TaskSet
+from loadtests.quality.tasks import BUILTIN, TaskItem, TaskSet, TaskSetError, read_taskset
 
 NAME = "ferry-builtin"
 VERSION = "1"
@@ -477,3 +478,13 @@ def builtin_taskset() -> TaskSet:
     """The built-in set: every type's items in order, ``ITEMS_PER_TYPE`` each."""
     items = [item for task, maker in MAKERS.items() for item in _items_of(task, maker)]
     return TaskSet(items, {"name": NAME, "version": VERSION})
+
+
+def load_taskset(name_or_path: str) -> TaskSet:
+    """``"builtin"``: the built-in set; anything else: a task-set file."""
+    if name_or_path == BUILTIN:
+        return builtin_taskset()
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise TaskSetError(f"no task set {name_or_path!r}: it is not {BUILTIN!r} and not a file")
+    return read_taskset(path)

@@ -253,14 +253,3 @@ def read_taskset(path: Path) -> TaskSet:
     meta["path"] = str(path)
     return TaskSet(items, meta)
 
-
-def load_taskset(name_or_path: str) -> TaskSet:
-    """``"builtin"``: the built-in set; anything else: a task-set file."""
-    if name_or_path == BUILTIN:
-        from loadtests.quality.builtin import builtin_taskset
-
-        return builtin_taskset()
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise TaskSetError(f"no task set {name_or_path!r}: it is not {BUILTIN!r} and not a file")
-    return read_taskset(path)

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
+from loadtests.quality.builtin import load_taskset
 from loadtests.quality.tasks import (
     TASKS_FORMAT_VERSION,
     TaskItem,
     TaskSet,
     TaskSetError,
-    load_taskset,
     read_taskset,
     write_taskset,
 )
