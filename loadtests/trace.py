@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,20 +211,26 @@ def write_trace(trace: Trace, path: Path) -> str:
     return trace.content_hash
 
 
-def read_trace(path: Path) -> Trace:
-    meta: dict[str, Any] = {"path": str(path)}
-    requests: list[TraceRequest] = []
+def json_lines(path: Path, error: type[ValueError], what: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for every non-blank line of a JSON Lines file (traces, task sets);
+    ``error`` with the file and line for one that is not JSON."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise TraceError(f"cannot read trace {path}: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"cannot read {what} {path}: {exc}") from exc
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            raw = json.loads(line)
+            yield lineno, json.loads(line)
         except json.JSONDecodeError as exc:
-            raise TraceError(f"{path}:{lineno}: not JSON: {exc}") from exc
+            raise error(f"{path}:{lineno}: not JSON: {exc}") from exc
+
+
+def read_trace(path: Path) -> Trace:
+    meta: dict[str, Any] = {"path": str(path)}
+    requests: list[TraceRequest] = []
+    for lineno, raw in json_lines(path, TraceError, "trace"):
         if isinstance(raw, dict) and "ferry_trace" in raw:
             version = raw["ferry_trace"]
             if version != TRACE_FORMAT_VERSION:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.quality.checkers import CHECKERS, spec_problem
-from loadtests.trace import canonical_json, lines_hash
+from loadtests.trace import canonical_json, json_lines, lines_hash
 
 TASKS_FORMAT_VERSION = 1
 BUILTIN = "builtin"
@@ -216,20 +216,10 @@ def write_taskset(ts: TaskSet, path: Path) -> str:
 
 def read_taskset(path: Path) -> TaskSet:
     """Read a task-set file; ``TaskSetError`` with ``file:line`` for the first bad line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TaskSetError(f"cannot read task set {path}: {exc}") from exc
     meta: dict[str, Any] = {}
     items: list[TaskItem] = []
     first_line: dict[str, int] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TaskSetError(f"{path}:{lineno}: not JSON: {exc}") from exc
+    for lineno, raw in json_lines(path, TaskSetError, "task set"):
         if isinstance(raw, dict) and "ferry_tasks" in raw:
             if items or meta:
                 raise TaskSetError(f"{path}:{lineno}: the 'ferry_tasks' header must be the first line")
