@@ -266,7 +266,7 @@ def _quality(args: argparse.Namespace, command: list[str]) -> int:
 
     from loadtests.bench import bench_meta, server_info
     from loadtests.client import ClientConfig, discover_model_sync
-    from loadtests.decision import answered_items
+    from loadtests.decision import config_items
     from loadtests.experiment_run import quality_pass
     from loadtests.quality.builtin import load_taskset
     from loadtests.quality.decide import determinism
@@ -281,7 +281,7 @@ def _quality(args: argparse.Namespace, command: list[str]) -> int:
     reference_items = None
     if args.reference is not None:
         earlier = json.loads(args.reference.read_text(encoding="utf-8"))
-        reference_items = answered_items(earlier["configs"][0], 0.0)
+        reference_items = config_items(earlier["configs"][0], 0.0)
         if reference_items is None:
             raise ValueError(f"{args.reference}: no quality pass in it")
     model = args.model or discover_model_sync(args.base_url, args.api_key)

@@ -107,7 +107,7 @@ def _errors_guard(verdict: str, condition: str, mine: dict[str, Any], outcome: d
             f"{_float(base) or 0:.3f}; the pass condition does not weigh errors)")
 
 
-def answered_items(config_result: dict[str, Any], decision_rate: float) -> dict[str, Any] | None:
+def config_items(config_result: dict[str, Any], decision_rate: float) -> dict[str, Any] | None:
     """The task items one configuration answered: its quality pass, else its run at the decision rate."""
     full = config_result.get("quality_pass")
     if full and full.get("items") is not None:
@@ -125,13 +125,13 @@ def _fold_quality(record: dict[str, Any], experiment: Experiment, variant: Varia
     quality = experiment.quality
     assert quality is not None
     rate = experiment.decision_rate
-    base = answered_items(baseline_results[0], rate) if baseline_results else None
-    mine = answered_items(variant_result, rate)
+    base = config_items(baseline_results[0], rate) if baseline_results else None
+    mine = config_items(variant_result, rate)
     record["answers"] = variant.answers
     if base is None or mine is None:
         record["quality"] = "no task items were answered by both configurations"
         return
-    repeat = answered_items(baseline_results[1], rate) if len(baseline_results) > 1 else None
+    repeat = config_items(baseline_results[1], rate) if len(baseline_results) > 1 else None
     calls = qd.quality_calls(qd.pairs_by_task(base, mine, variant.answers, repeat), quality.confidence,
                              quality.margin)
     record["quality"] = qd.describe(calls)

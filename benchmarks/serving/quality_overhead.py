@@ -34,7 +34,8 @@ from benchmarks.peers.board import SERVED_NAME, load_average, log
 from loadtests.arrivals import ArrivalSpec
 from loadtests.client import ClientConfig
 from loadtests.quality.builtin import load_taskset
-from loadtests.quality.checkers import Answer, check
+from loadtests.quality.checkers import check
+from loadtests.quality.judge import item_answer
 from loadtests.quality.mix import mix_tasks
 from loadtests.runner import BenchSettings, RunPlan, run_once, warmup
 from loadtests.scenarios import generate
@@ -74,8 +75,7 @@ def one_run(trace: Trace, settings: BenchSettings, rate: float, duration: float,
 def judge_cost(trace: Trace, items: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The checkers alone over the answers a run gave, timed (best of 5 passes), per answer."""
     by_id = {r.id: r for r in trace.requests}
-    work = [(by_id[rid].check, Answer(i.get("text") or "", tuple((n, a) for n, a in i.get("tool_calls") or []),
-                                      i.get("finish_reason"))) for rid, i in items.items() if rid in by_id]
+    work = [(by_id[rid].check, item_answer(i)) for rid, i in items.items() if rid in by_id]
     best = float("inf")
     for _ in range(5):
         t0 = time.process_time()

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from loadtests.quality.judge import item_answer
 from loadtests.quality.stats import PairedCall, paired_call
 
 FIRST_DIFFERING = 5
@@ -49,7 +50,8 @@ def answers_mode(knob: str, declared: str | None) -> str:
 
 
 def _answer(item: Mapping[str, Any]) -> tuple[str, tuple[tuple[str, str], ...]]:
-    return str(item.get("text") or ""), tuple((str(n), str(a)) for n, a in item.get("tool_calls") or [])
+    answer = item_answer(item)
+    return answer.text, answer.tool_calls
 
 
 def _unique(items: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:

@@ -8,7 +8,7 @@ item with no reference answer) or got no answer (errors and timeouts; those are 
 the error rate and are never counted as wrong answers).
 
 The references an ``agree`` item is judged against are another run's answers to the same items
-(``answers_of``): in an experiment, the baseline's quality pass.
+(``answers_of_items``): in an experiment, the baseline's quality pass.
 """
 
 from __future__ import annotations
@@ -42,21 +42,18 @@ def judge(record: RequestRecord, request: TraceRequest, references: Mapping[str,
     record.correct, record.check_reason = verdict.correct, verdict.reason
 
 
-def answers_of(records: Iterable[RequestRecord]) -> dict[str, Answer]:
-    """Item id -> the answer a run gave (the first completed one, for items asked twice)."""
-    out: dict[str, Answer] = {}
-    for record in records:
-        if record.task is not None and record.status == "ok":
-            out.setdefault(record.req_id.split("#", 1)[0], answer_of(record))
-    return out
+def item_answer(item: Mapping[str, Any]) -> Answer:
+    """One answered item of a run result's ``items`` (what ``runner.answered_items`` keeps) as an Answer."""
+    calls = tuple((str(n), str(a)) for n, a in item.get("tool_calls") or [])
+    return Answer(str(item.get("text") or ""), calls, item.get("finish_reason"))
 
 
 def answers_of_items(items: Mapping[str, Mapping[str, Any]]) -> dict[str, Answer]:
-    """The same from a run result's ``items`` (request id -> answer and verdict)."""
+    """Item id -> the answer a run gave, from its result's ``items`` (request id -> answer and verdict);
+    an item asked twice keeps its first answer."""
     out: dict[str, Answer] = {}
     for rid, item in items.items():
-        calls = tuple((str(n), str(a)) for n, a in item.get("tool_calls") or [])
-        out.setdefault(rid.split("#", 1)[0], Answer(str(item.get("text") or ""), calls, item.get("finish_reason")))
+        out.setdefault(rid.split("#", 1)[0], item_answer(item))
     return out
 
 

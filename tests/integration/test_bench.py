@@ -244,9 +244,8 @@ def test_experiment_starts_and_stops_ferry(tiny_model_dir: Path, tmp_path: Path)
     # turns the faster variant's "better" into "no decision"
     assert decision["answers"] == "same" and decision["determinism"]["compared"] == len(TASKS)
     assert {q["task"] for q in decision["quality"]} == {"arithmetic", "structured", "tools", "open"}
-    lost = any(q["baseline_only"] > q["variant_only"] for q in decision["quality"])
-    assert decision["verdict"] == ("no decision: quality within noise (" if lost else "better") or lost and \
-        decision["verdict"].startswith("no decision: quality within noise (")
+    lost = [q["task"] for q in decision["quality"] if q["baseline_only"] > q["variant_only"]]
+    assert decision["verdict"] == (f"no decision: quality within noise ({', '.join(lost)})" if lost else "better")
     for config in results["configs"]:
         check_quality(config["quality_pass"]["summary"], {"arithmetic", "structured", "tools"})
     assert len(decision["measured_outcome"]["baseline_runs"]["completed_rps"]) == 2
