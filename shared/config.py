@@ -133,6 +133,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """'auto' (the model's dtype) or 'fp8' (float8 e4m3, one byte per element: twice the tokens
     per byte of a bfloat16 cache; values saturate at +-448, no scales; CPU with the cpu_paged
     attention backend only; docs/worker.md)."""
+    deterministic: bool = False
+    """Batch-invariant numerics: a request's tokens and logprobs (seeded sampling included) do not
+    depend on the other requests in its steps, on prefix-cache hits, chunk sizes or preemption
+    (docs/api.md, "Deterministic outputs"; not with tensor parallelism)."""
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):

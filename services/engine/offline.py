@@ -112,6 +112,7 @@ class LLM:
         attention_backend: str = "auto",
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
+        deterministic: bool = False,
         **scheduler_knobs: Any,
     ) -> None:
         set_num_threads(num_threads)
@@ -123,6 +124,7 @@ class LLM:
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             max_num_seqs=self.scheduler_config.max_num_seqs, tensor_parallel_size=tensor_parallel_size,
             attention_backend=attention_backend, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            deterministic=deterministic,
         )
         # tensor parallel: ranks 1..N-1 in child processes, rank 0 here (tp_ranks.py)
         self.helpers = HelperRanks(self.worker_config) if tensor_parallel_size > 1 else None

@@ -98,6 +98,9 @@ class ModelRunner:
         # the backend first: a float8 cache it cannot read is refused before any memory is committed
         self.attn_backend = select_backend(config.attention_backend, self.device)
         log.info("attention backend: %s", self.attn_backend.name)
+        if config.deterministic:
+            check_deterministic(config, self.attn_backend.name)
+            self.attn_backend.make_batch_invariant()
         if self.kv_dtype == FP8 and self.attn_backend.name != "cpu_paged":
             raise ValueError(f"kv_cache_dtype 'fp8' needs the CPU and its cpu_paged attention backend, not "
                              f"{self.device.type} / {self.attn_backend.name!r} (the CPU kernels: make kernels)")
@@ -110,7 +113,7 @@ class ModelRunner:
         # CPU: fused and packed linears, int8, the tied head and the lean forward (model/prepare.py)
         prepared = prepare_cpu_weights(self.model, self.dtype, self.device, quantization=config.quantization,
                                        vocab_size=self.vocab_size, max_num_seqs=config.max_num_seqs,
-                                       tensor_parallel=self.tp is not None)
+                                       tensor_parallel=self.tp is not None, batch_invariant=config.deterministic)
         self.lm_head, self.lean = prepared.lm_head, prepared.lean
         if config.quantization == "int8":
             self.weight_bytes = _weight_bytes(self.model)
@@ -119,7 +122,8 @@ class ModelRunner:
         cpu_ops = fused_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, argmax_rows=cpu_ops.argmax_rows if cpu_ops is not None else None,
                                sample_rows=cpu_ops.sample_rows if cpu_ops is not None else None,
-                               race_rows=cpu_ops.race_rows if cpu_ops is not None else None)
+                               race_rows=cpu_ops.race_rows if cpu_ops is not None else None,
+                               batch_invariant=config.deterministic)
         eos, vocab, model = self.eos_token_ids, self.vocab_size, config.model
         self.constraints = ConstraintTracker(
             lambda: load_tokenizer(tokenizer_dir(resolve_model(model), config.cache_dir), vocab, eos),
@@ -165,6 +169,8 @@ class ModelRunner:
         scratch = KVCache.allocate(config_dict, blocks, self.block_size, self.dtype, self.config.device)
         ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
         backend = select_backend(self.config.attention_backend, self.device)
+        if self.config.deterministic:
+            backend.make_batch_invariant()
         batch, positions = build_paged_batch([n], [n], [list(range(blocks))], self.block_size,
                                              self.max_model_len, self.device)
         step = StepAttention(backend, backend.prepare(batch), scratch.caches, self.max_model_len)
@@ -281,6 +287,16 @@ class ModelRunner:
             sample_token_idx=sample_t,
             batch=batch,
         )
+
+
+def check_deterministic(config: WorkerConfig, backend: str) -> None:
+    """Refuse, by name, what ``--deterministic`` cannot keep its promise for (docs/api.md)."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError("--deterministic is not available with tensor parallelism yet: the row-parallel "
+                         "products and their all-reduce are not batch-invariant (use --tensor-parallel-size 1)")
+    if config.device != "cpu" and backend == "reference":
+        raise ValueError("--deterministic on a GPU needs the triton attention backend, not 'reference' "
+                         "(PyTorch's CUDA reductions pick their blocking by the batch's shape)")
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

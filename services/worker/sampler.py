@@ -75,9 +75,12 @@ class Sampler:
     def __init__(
         self, device: torch.device, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
         sample_rows: Callable[..., torch.Tensor] | None = None,
-        race_rows: Callable[..., torch.Tensor] | None = None,
+        race_rows: Callable[..., torch.Tensor] | None = None, batch_invariant: bool = False,
     ) -> None:
         self.device = device
+        # --deterministic: the PyTorch race draws each row alone, since its candidate rows share
+        # one width (the widest row's) and their sums run over it (the kernels' rows are their own)
+        self.batch_invariant = batch_invariant
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # [rows, vocab] bfloat16/float32 CPU logits -> int64 [rows], as torch.argmax(dim=-1)
@@ -201,6 +204,9 @@ class Sampler:
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
     ) -> torch.Tensor:
         """The exponential race: candidate rows and whole-vocabulary rows apart."""
+        if self.batch_invariant and len(params) > 1:
+            return torch.cat([self._race(logits[i : i + 1], [params[i]], [num_output_tokens[i]])
+                              for i in range(len(params))])
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
         logits = logits / temps.unsqueeze(1)

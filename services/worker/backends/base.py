@@ -35,10 +35,49 @@ class PagedBatch:
     seq_lens_cpu: tuple[int, ...]
 
 
+def as_decodes(batch: PagedBatch) -> PagedBatch:
+    """``batch`` with every query token as a decode of its own: token t of a chunk that starts
+    at position p attends as a one-token request of context p + t + 1 over its request's block
+    table (its own key is in the cache by then: every backend writes a step's keys and values
+    before it attends).
+
+    Batch-invariant attention (``--deterministic``, docs/api.md) computes every token this way,
+    so a token's reduction over its keys is the decode kernel's, in the same order, whether it
+    is computed in a prompt chunk of any size, after a prefix-cache hit, after a preemption or
+    as a decode beside any other requests. A step of decodes only is returned as it is.
+    """
+    if batch.num_decodes == batch.num_reqs:
+        return batch
+    qsl = torch.tensor(batch.query_start_loc_cpu, dtype=torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    rows = torch.repeat_interleave(torch.arange(batch.num_reqs), q_lens)
+    first = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64) - q_lens  # each chunk's first position
+    lens = first[rows] + torch.arange(len(rows)) - qsl[:-1][rows] + 1
+    n = int(rows.numel())
+    device = batch.block_table.device
+    return PagedBatch(
+        num_reqs=n, num_decodes=n, num_tokens=n,
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(device, non_blocking=True),
+        seq_lens=lens.to(torch.int32).to(device, non_blocking=True),
+        block_table=batch.block_table.index_select(0, rows.to(device, non_blocking=True)),
+        slot_mapping=batch.slot_mapping, max_query_len=1, max_seq_len=batch.max_seq_len,
+        block_size=batch.block_size, max_model_len=batch.max_model_len,
+        query_start_loc_cpu=tuple(range(n + 1)), seq_lens_cpu=tuple(lens.tolist()),
+    )
+
+
 class AttentionBackend(ABC):
     """A paged attention implementation for one kind of device."""
 
     name: ClassVar[str]
+    # Set by the runner under --deterministic: ``prepare`` sees ``as_decodes(batch)``, and the
+    # backend's decode path must reduce each token's keys in an order that depends on that
+    # token's context alone (backends that cannot must refuse in ``make_batch_invariant``).
+    batch_invariant: bool = False
+
+    def make_batch_invariant(self) -> None:
+        """Compute every token through the decode path (``as_decodes``), batch-invariantly."""
+        self.batch_invariant = True
 
     @abstractmethod
     def prepare(self, batch: PagedBatch) -> Any:

@@ -35,7 +35,7 @@ from services.kernels import ops
 from shared import envs
 
 from ..model.packed_linear import fast_cpu_dtype
-from .base import PagedBatch, register_backend
+from .base import PagedBatch, as_decodes, register_backend
 from .reference import PrefillSpan, ReferenceBackend, ReferenceMetadata
 
 
@@ -95,6 +95,8 @@ class CpuPagedBackend(ReferenceBackend):
         return self.bf16_dot and not (self.bf16_decode_fma and cache_dtype == torch.bfloat16)
 
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
+        if self.batch_invariant:  # every token through paged_decode, which sums a token's keys alike in any batch
+            batch = as_decodes(batch)
         chunks = ReferenceMetadata(slot_mapping=batch.slot_mapping)
         self._prefill_spans(chunks, batch)
         fresh = None

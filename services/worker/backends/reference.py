@@ -9,6 +9,13 @@ cached prefix it attends to its own fresh K/V with a causal mask; with a cached
 prefix (chunked prefill, prefix cache hit) it gathers its blocks.
 
 Runs on any device SDPA runs on (cpu, cuda).
+
+Under ``--deterministic`` (``make_batch_invariant``) every token is a decode
+(``as_decodes``) and the decodes skip SDPA, whose kernels choose their blocking by the
+shapes of the whole call: ``invariant_attention`` walks each token's blocks in order with
+an online softmax in float32, one cache block (``block_size`` keys) at a time, every
+reduction over a fixed length (the head size, the block), so a token's numbers depend on
+its own query and context alone.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, PagedBatch, register_backend
+from .base import AttentionBackend, PagedBatch, as_decodes, register_backend
 
 
 @dataclass
@@ -42,10 +49,57 @@ class DecodeGroup:
 
 
 @dataclass
+class InvariantDecodes:
+    """Every token of a batch-invariant step, each a decode (``as_decodes``)."""
+
+    block_table: torch.Tensor  # [num_tokens, max_blocks] int64
+    seq_lens: torch.Tensor  # [num_tokens] int64
+
+
+@dataclass
 class ReferenceMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    invariant: InvariantDecodes | None = None
+
+
+def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each query token ([n, heads, head_dim]) over its own context (``seq_lens`` keys through its
+    ``block_table`` row), by an online softmax in float32 one cache block at a time, in order.
+
+    Every reduction has a fixed length (the head size for the scores, the block for the max,
+    the sum and the weighted values), and a block past a token's context adds exact zeros
+    (its scores are -inf, so its weights are 0 and the running max and sum stay as they are),
+    so a token's output is the same bits however many other tokens, of whatever contexts, are
+    computed with it."""
+    n, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    q = query.float().view(n, num_kv_heads, group, 1, head_dim)
+    m = torch.full((n, num_kv_heads, group), float("-inf"), device=query.device)
+    denom = torch.zeros((n, num_kv_heads, group), device=query.device)
+    acc = torch.zeros((n, num_kv_heads, group, head_dim), device=query.device)
+    offsets = torch.arange(block_size, device=query.device)
+    for j in range(block_table.shape[1]):
+        valid = (j * block_size + offsets).unsqueeze(0) < seq_lens.unsqueeze(1)  # [n, bs]
+        if not bool(valid.any()):
+            break
+        ids = block_table[:, j]
+        keys = _bytes(k_cache).index_select(0, ids).view(k_cache.dtype).float()  # [n, bs, kv, d]
+        vals = _bytes(v_cache).index_select(0, ids).view(v_cache.dtype).float()
+        keys = keys.permute(0, 2, 1, 3).unsqueeze(2)  # [n, kv, 1, bs, d]
+        vals = torch.where(valid[:, :, None, None], vals, 0.0).permute(0, 2, 1, 3).unsqueeze(2)
+        scores = (q * keys).sum(-1) * scale  # [n, kv, g, bs]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1))
+        alpha = torch.exp(m - m_new)  # 0 on a token's first block, 1 past its context
+        p = torch.exp(scores - m_new.unsqueeze(-1))
+        denom = denom * alpha + p.sum(-1)
+        acc = acc * alpha.unsqueeze(-1) + (p.unsqueeze(-1) * vals).sum(-2)
+        m = m_new
+    return (acc / denom.unsqueeze(-1)).view(n, num_heads, head_dim).to(query.dtype)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +130,11 @@ class ReferenceBackend(AttentionBackend):
 
     def prepare(self, batch: PagedBatch) -> ReferenceMetadata:
         meta = ReferenceMetadata(slot_mapping=batch.slot_mapping)
+        if self.batch_invariant:
+            batch = as_decodes(batch)
+            width = -(-max(batch.seq_lens_cpu, default=1) // batch.block_size)
+            meta.invariant = InvariantDecodes(batch.block_table[:, :width].long(), batch.seq_lens.long())
+            return meta
         if batch.num_decodes:
             self._decode_groups(meta, batch)
         self._prefill_spans(meta, batch)
@@ -137,6 +196,9 @@ class ReferenceBackend(AttentionBackend):
         num_kv_heads = key.shape[1]
         group = num_heads // num_kv_heads
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        if metadata.invariant is not None:
+            inv = metadata.invariant
+            return invariant_attention(query, k_cache, v_cache, inv.block_table, inv.seq_lens, scale)
         out = query.new_empty(num_tokens, num_heads, head_dim)
         for dec in metadata.decodes:
             num_decodes = dec.token_idx.shape[0]

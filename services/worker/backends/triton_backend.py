@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionBackend, PagedBatch, register_backend
+from .base import AttentionBackend, PagedBatch, as_decodes, register_backend
 from .triton_kernels import (
     TILE_N,
     choose_num_splits,
@@ -74,7 +74,16 @@ class TritonBackend(AttentionBackend):
         """Optional: lets ``prepare`` allocate the split-K scratch before the first layer."""
         self._head_shape = (num_heads, num_kv_heads, head_dim)
 
+    def make_batch_invariant(self) -> None:
+        """Every token through the decode kernel (``as_decodes``), its context never split: one
+        program walks a token's key tiles in order whatever the batch (the split count would
+        follow the number of requests and the longest context)."""
+        super().make_batch_invariant()
+        self.fixed_num_splits = 1
+
     def prepare(self, batch: PagedBatch) -> TritonMetadata:
+        if self.batch_invariant:
+            batch = as_decodes(batch)
         if batch.block_size < 16 or batch.block_size & (batch.block_size - 1):
             raise ValueError(f"the triton backend needs a power-of-two block_size >= 16, got {batch.block_size}")
         num_splits = 1

@@ -101,7 +101,7 @@ class DecodeLayerArgs:
 class LeanDecoder:
     """``body(input_ids, position_ids, ferry_meta=...)``'s last hidden state, without the framework."""
 
-    def __init__(self, body: Any, kernels: ops.CpuKernels | None) -> None:
+    def __init__(self, body: Any, kernels: ops.CpuKernels | None, batch_invariant: bool = False) -> None:
         self.embed: Any = body.embed_tokens
         self.rotary_emb: Any = body.rotary_emb
         # cos/sin of every position up to a bound, computed once by rotary_emb itself and read
@@ -129,9 +129,13 @@ class LeanDecoder:
         self.part_times: torch.Tensor | None = None
         if kernels is not None and decode_layers_enabled() and hasattr(kernels, "decode_layers"):
             self.decode_args = _decode_layer_args(body, kernels)
+            if self.decode_args is not None and batch_invariant:
+                # --deterministic: a step past the tiled and AMX kernels' rows takes the Python loop,
+                # whose products stay on them (PackedLinear.make_batch_invariant), never oneDNN's
+                self.decode_args.packed = []
 
     @classmethod
-    def build(cls, body: Any, kernels: ops.CpuKernels | None) -> LeanDecoder | None:
+    def build(cls, body: Any, kernels: ops.CpuKernels | None, batch_invariant: bool = False) -> LeanDecoder | None:
         """The lean forward for ``body`` (fused when every layer is and ``kernels`` are given,
         else plain), or None where it does not apply (see the module doc)."""
         if not lean_forward_enabled() or type(body).__name__ not in MODELS:
@@ -152,7 +156,7 @@ class LeanDecoder:
             if not hasattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb"):
                 return None
         fused = kernels is not None and _all_fused(body)
-        return cls(body, kernels if fused else None)
+        return cls(body, kernels if fused else None, batch_invariant)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """[1, T] token ids and positions -> [1, T, hidden], as ``body(...).last_hidden_state``."""

@@ -90,6 +90,7 @@ class PackedLinear(nn.Module):
         self._amx_rope: Callable[..., torch.Tensor] | None = None  # the same with RoPE as the epilogue
         self.amx_rope_rows = 0  # up to this many rows (a decode step's): rope_forward takes them
         self._bias32 = torch.empty(0)
+        self.fixed_rows = 0  # --deterministic: oneDNN's products in calls of exactly this many rows (0: any)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._tiled is not None:
@@ -100,7 +101,30 @@ class PackedLinear(nn.Module):
         if self.packed is None:  # dropped for a bound on the rows (drop_packed) that this call passed
             raise RuntimeError(f"{x.numel() // self.in_features} rows: past the {max(self.tiled_rows, self.amx_rows)} "
                                "this layer kept kernels for when oneDNN's copy was dropped")
+        if self.fixed_rows:
+            from .batch_invariant import in_fixed_rows
+
+            packed, bias = self.packed, self.bias
+            return in_fixed_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], ""),
+                                 x, self.fixed_rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def make_batch_invariant(self, fixed_rows: int) -> str:
+        """One kernel family for every row count, each summing a row alike at any count: the AMX
+        products where the layer has them, else the tiled kernel, else oneDNN's in calls of
+        exactly ``fixed_rows`` rows (its kernels block K by the call's shape, so a row's sums
+        change with the rows beside it: tests/unit/worker/test_batch_invariant.py). Returns
+        which."""
+        if self._amx is not None:
+            self.tiled_rows, self.amx_rows = 0, ALL_ROWS
+            return "AMX"
+        if self._tiled is not None:
+            self.tiled_rows = ALL_ROWS
+            return "tiled"
+        if self.packed is None:
+            raise RuntimeError("no kernel left for a batch-invariant product: oneDNN's copy was dropped")
+        self.fixed_rows = fixed_rows
+        return f"oneDNN in {fixed_rows}-row calls"
 
     def rope_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_cols: int,
                      head_dim: int) -> torch.Tensor | None:

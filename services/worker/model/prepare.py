@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .batch_invariant import make_linears_batch_invariant
 from .fused_ops import fuse_elementwise
 from .fused_ops import kernels as fused_kernels
 from .lean_forward import LeanDecoder
@@ -35,12 +36,15 @@ class PreparedWeights:
 
 
 def prepare_cpu_weights(model: nn.Module, dtype: torch.dtype, device: torch.device, *, quantization: str | None,
-                        vocab_size: int, max_num_seqs: int, tensor_parallel: bool) -> PreparedWeights:
+                        vocab_size: int, max_num_seqs: int, tensor_parallel: bool,
+                        batch_invariant: bool = False) -> PreparedWeights:
     """Rewrite ``model``'s weights and layers in place for the CPU's kernels (see the module doc).
 
     ``max_num_seqs`` bounds the rows the LM head ever sees (oneDNN's copy of it is dropped
     where ferry's kernels take that many); with ``tensor_parallel`` the LM head (wrapped per
-    rank) and the forward stay the model's own.
+    rank) and the forward stay the model's own. ``batch_invariant`` (``--deterministic``): every
+    linear layer then computes a row alike at any row count (batch_invariant.py), before the
+    lean forward reads their kernels' bounds.
     """
     body = model.get_decoder()  # type: ignore[operator]
     lm_head = model.get_output_embeddings()  # type: ignore[operator]
@@ -72,13 +76,19 @@ def prepare_cpu_weights(model: nn.Module, dtype: torch.dtype, device: torch.devi
         log.info("%d of them on ferry's bfloat16 kernels (%d MB of tiles): %s", len(tiled),
                  sum(m.tiles.nbytes for m in tiled if m.tiles is not None) // 10**6,
                  "; ".join(f"{n} {split}" for split, n in splits.items()))
+    if batch_invariant:
+        ways, replaced = make_linears_batch_invariant(model, device)
+        lm_head = replaced.get(id(lm_head), lm_head)
+        log.info("deterministic: linear layers batch-invariant: %s",
+                 ", ".join(f"{n} on {way}" for way, n in ways.items()) or "none")
     fused_ops = fuse_elementwise(body, dtype, device)
     if any(fused_ops.values()):
         log.info("fused CPU ops: %s", ", ".join(f"{n} {k}" for k, n in fused_ops.items()))
     # CPU: the step's forward without transformers' per-layer Python (lean_forward.py).
     lean: LeanDecoder | None = None
     if device.type == "cpu" and not tensor_parallel:
-        lean = LeanDecoder.build(body, fused_kernels() if any(fused_ops.values()) else None)
+        lean = LeanDecoder.build(body, fused_kernels() if any(fused_ops.values()) else None,
+                                 batch_invariant=batch_invariant)
         log.info("lean forward: %s", lean.mode if lean else "off (this model's layers)")
     return PreparedWeights(lm_head=lm_head, lean=lean)
 
