@@ -20,6 +20,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
         rms_norm_eps=1e-5, tie_word_embeddings=True,
     ),
+    # head size 64: the CPU prompt kernels' (csrc/prefill_attention.cpp) shapes, as real models have
+    "llama-hd64": dict(
+        model_type="llama", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
     "qwen2": dict(
         model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,

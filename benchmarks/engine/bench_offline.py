@@ -108,7 +108,7 @@ def run_ferry(work: Workload, dtype: str, args: argparse.Namespace) -> Run:
     settings = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=True, enable_chunked_prefill=True,
                     attention_backend=args.attention_backend, quantization=args.quantization,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=dtype, num_threads=args.threads, **settings)  # type: ignore[arg-type]
     llm.generate([[1, 2, 3]], GenerationParams(max_tokens=2))  # warm-up: first-call allocations
@@ -309,6 +309,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--quantization", default="none")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (a float8 e4m3 KV cache)")
+    p.add_argument("--deterministic", action="store_true", help="ferry: batch-invariant numerics (docs/api.md)")
     p.add_argument("--profile", action="store_true", help="ferry only: time the workload under cProfile, with shares")
     p.add_argument("--attention-share", action="store_true",
                    help="ferry only: wall-clock share of the forward spent in the attention backend (no profiler)")

@@ -333,8 +333,7 @@ class Sampler:
         top_vals: list[list[float]] = []
         top_ids: list[list[int]] = []
         if max_top > 0:
-            vals, ids = raw.topk(max_top, dim=-1)
-            top_vals, top_ids = vals.tolist(), ids.tolist()
+            top_vals, top_ids = _top_by_id(raw, max_top)
         out: list[SampleLogprobs | None] = []
         for i, p in enumerate(params):
             if p.logprobs is None:
@@ -346,6 +345,22 @@ class Sampler:
 
 
 TOP_P_CANDIDATES = 1024  # a top-p row's candidate set; rows whose top 1024 hold < top_p fall back
+
+
+def _top_by_id(raw: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Each row's ``k`` best (value, token id), ties listed by token id. ``topk`` orders (and at
+    the k-th place picks among) tied values as its kernel's split of the rows falls, which moves
+    with the number of rows (bfloat16 logits tie often), so a request's top logprobs would
+    depend on its batch."""
+    kth = raw.topk(k, dim=-1).values[:, -1:]
+    vals: list[list[float]] = []
+    ids: list[list[int]] = []
+    for row, bound in zip(raw, kth, strict=True):
+        cand = (row >= bound).nonzero().flatten()  # ascending token ids
+        order = torch.sort(row[cand], descending=True, stable=True).indices[:k]
+        vals.append(row[cand[order]].tolist())
+        ids.append(cand[order].tolist())
+    return vals, ids
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

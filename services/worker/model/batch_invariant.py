@@ -46,6 +46,9 @@ def in_fixed_rows(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
     call padded with zero rows), so every row's result is the same bits however many rows x has."""
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
+    if n == 0:
+        out = product(flat)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     pad = -n % rows
     if pad:
         flat = F.pad(flat, (0, 0, 0, pad))
