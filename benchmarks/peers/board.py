@@ -321,7 +321,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--servers", default="vllm,vllm-all-cores,ferry",
                    help="in order, one at a time: vllm (its defaults), vllm-all-cores (no core reserved for its "
                         "front end), ferry, ferry-int8 (ferry serve --quantization int8), ferry-fp8kv (ferry "
-                        "serve --kv-cache-dtype fp8); NAME@DTYPE runs that "
+                        "serve --kv-cache-dtype fp8), ferry-det (ferry serve --deterministic); NAME@DTYPE runs that "
                         "server in DTYPE only, e.g. vllm-all-cores@float32 beside --dtypes auto")
     p.add_argument("--dtypes", default="auto",
                    help="comma-separated: float32, bfloat16, or auto (bfloat16 with native bf16 here, else float32)")
@@ -368,7 +368,7 @@ def resolve_dtypes(text: str) -> list[str]:
     return list(dict.fromkeys(resolve_dtype(d.strip(), "cpu") for d in text.split(",") if d.strip()))
 
 
-SERVERS = ("vllm", "vllm-all-cores", "ferry", "ferry-int8", "ferry-fp8kv")
+SERVERS = ("vllm", "vllm-all-cores", "ferry", "ferry-int8", "ferry-fp8kv", "ferry-det")
 
 
 def server_runs(text: str, dtypes: list[str]) -> list[tuple[str, str]]:
@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # --queue-timeout-s 3600: requests wait as long as vLLM lets them (it has no queue
             # deadline); ferry's 60 s default refused part of a burst on a slow machine.
-            extra = {"ferry-int8": ("--quantization", "int8"), "ferry-fp8kv": ("--kv-cache-dtype", "fp8")}.get(name, ())
+            extra = {"ferry-int8": ("--quantization", "int8"), "ferry-fp8kv": ("--kv-cache-dtype", "fp8"),
+                     "ferry-det": ("--deterministic",)}.get(name, ())
             spec = ServerSpec(kind="ferry", model=args.model, startup_timeout_s=args.startup_timeout,
                               args=("--dtype", dtype, "--served-model-name", SERVED_NAME,
                                     "--queue-timeout-s", "3600", *extra, *args.ferry_args.split()))

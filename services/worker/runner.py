@@ -115,6 +115,11 @@ class ModelRunner:
                                        vocab_size=self.vocab_size, max_num_seqs=config.max_num_seqs,
                                        tensor_parallel=self.tp is not None, batch_invariant=config.deterministic)
         self.lm_head, self.lean = prepared.lm_head, prepared.lean
+        if config.deterministic and self.device.type != "cpu":
+            # PyTorch's CUDA reductions sum a row by the tensor's shape: RMSNorm row by row in Triton
+            from .cuda.invariant_norm import make_norms_batch_invariant
+
+            log.info("deterministic: %d RMSNorms on the row-wise Triton kernel", make_norms_batch_invariant(self.model))
         if config.quantization == "int8":
             self.weight_bytes = _weight_bytes(self.model)
         self.batch = BatchState(self.block_size)

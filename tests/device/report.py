@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-STAGES = ["kernels", "exactness", "throughput_small", "throughput_8b", "serve"]
+STAGES = ["kernels", "exactness", "determinism", "throughput_small", "throughput_8b", "serve"]
 OPT_IN = ["profile"]  # listed only when they ran
 
 
@@ -66,6 +66,10 @@ def headline(stage: dict[str, Any]) -> str:
                 f"bf16 mean abs logprob diff {n.get('bf16_mean_abs_logprob_diff')}, "
                 f"top-1 {n.get('bf16_top1_agreement')} (transformers' bf16: "
                 f"{n.get('hf_bf16_mean_abs_logprob_diff')}, top-1 {n.get('hf_bf16_top1_agreement')})")
+    if stage.get("stage") == "determinism":
+        return (f"--deterministic: {n.get('deterministic_equal_to_alone')} seeded requests equal to alone in a mix "
+                f"(default: {n.get('default_equal_to_alone')}); out tok/s against the default, median of pairs: "
+                f"{n.get('deterministic_over_default_median')}x")
     if str(stage.get("stage", "")).startswith("throughput"):
         parts = [f"{k}: {v.get('decode_step_ms')} ms ({v.get('x_roofline')}x roof)"
                  for k, v in n.items() if isinstance(v, dict) and "decode_step_ms" in v]

@@ -5,7 +5,7 @@
 #   tests/device/run.sh OUT_DIR --cpu-dry-run  # every stage at tiny shapes on this CPU
 #
 # Stages, each in its own process under its own time box, so one failure or hang cannot
-# eat the others' time: kernels, exactness, throughput (default-architecture model, then
+# eat the others' time: kernels, exactness, determinism, throughput (default-architecture model, then
 # a Llama-3-8B-shaped one), serve. Each writes WORK/<stage>.json as it measures; the report
 # step merges them into OUT/results.json and OUT/report.md (plus OUT/board.md, OUT/run.log).
 # Wheels the GPU image lacks travel in .whl/ (make device-wheels) and install offline.
@@ -27,7 +27,7 @@ if [[ -n "$DRY" ]]; then
   PY=${PYTHON:-$ROOT/.venv/bin/python}
   export OMP_NUM_THREADS=1
   # time boxes on a loaded 2-core CPU (tiny shapes, Triton's interpreter)
-  T_KERNELS=180 T_EXACT=300 T_SMALL=240 T_8B=240 T_SERVE=240 T_PROFILE=240
+  T_KERNELS=180 T_EXACT=300 T_SMALL=240 T_8B=240 T_SERVE=240 T_PROFILE=240 T_DET=300
 else
   PY=${PYTHON:-python3}
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -41,6 +41,7 @@ else
   # Boxes sum to 480 s, the issue's 8 minutes; typical runs should end well inside them.
   # kernels: dozens of Triton compiles (head sizes x dtypes x splits); serve: start-up + 30 s of load.
   T_KERNELS=90 T_EXACT=75 T_SMALL=45 T_8B=130 T_SERVE=140
+  T_DET=75  # --deterministic: bit-equality in a mix, then its cost (past the 480 s above: typical runs end well inside)
   T_PROFILE=120  # opt-in (STAGES=profile): not in the 480 s
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
@@ -56,11 +57,12 @@ stage() {  # name, seconds, module args...
 }
 
 # STAGES picks a subset (the unit test of this script runs the quick ones); profile is opt-in.
-STAGES=${STAGES:-kernels exactness throughput_small throughput_8b serve}
+STAGES=${STAGES:-kernels exactness determinism throughput_small throughput_8b serve}
 for name in $STAGES; do
   case $name in
     kernels) stage kernels "$T_KERNELS" tests.device.kernels ;;
     exactness) stage exactness "$T_EXACT" tests.device.exactness ;;
+    determinism) stage determinism "$T_DET" tests.device.determinism ;;
     throughput_small) stage throughput_small "$T_SMALL" tests.device.throughput --model small ;;
     throughput_8b) stage throughput_8b "$T_8B" tests.device.throughput --model 8b ;;
     serve) stage serve "$T_SERVE" tests.device.serve_load ;;

@@ -20,7 +20,6 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings

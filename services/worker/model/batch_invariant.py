@@ -12,7 +12,7 @@ float32 and bfloat16: tests/unit/worker/test_batch_invariant.py). Two ways out:
   (``PackedLinear.make_batch_invariant``);
 - every other product runs in calls of exactly ``FIXED_ROWS`` rows (the last padded with zero
   rows), so each call has one shape and each row's sums are those of that shape, wherever the
-  row sits in the call (``in_fixed_rows``, ``FixedRowsLinear``).
+  row sits in the call (``packed_linear.in_fixed_rows``, ``FixedRowsLinear``).
 
 The attention side is ``backends.base.as_decodes``.
 """
@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed_linear import PackedLinear
+from .packed_linear import PackedLinear, in_fixed_rows
 
 log = logging.getLogger("ferry.worker.batch_invariant")
 
@@ -39,22 +38,6 @@ FIXED_ROWS = {"cpu": 16, "cuda": 64}
 
 def fixed_rows_for(device: torch.device) -> int:
     return FIXED_ROWS.get(device.type, 64)
-
-
-def in_fixed_rows(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``product(x)`` computed in calls of exactly ``rows`` rows of x's last dimension (the last
-    call padded with zero rows), so every row's result is the same bits however many rows x has."""
-    flat = x.reshape(-1, x.shape[-1])
-    n = flat.shape[0]
-    if n == 0:
-        out = product(flat)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-    pad = -n % rows
-    if pad:
-        flat = F.pad(flat, (0, 0, 0, pad))
-    outs = [product(flat[i : i + rows]) for i in range(0, n + pad, rows)]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
 
 class FixedRowsLinear(nn.Module):

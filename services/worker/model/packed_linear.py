@@ -102,8 +102,6 @@ class PackedLinear(nn.Module):
             raise RuntimeError(f"{x.numel() // self.in_features} rows: past the {max(self.tiled_rows, self.amx_rows)} "
                                "this layer kept kernels for when oneDNN's copy was dropped")
         if self.fixed_rows:
-            from .batch_invariant import in_fixed_rows
-
             packed, bias = self.packed, self.bias
             return in_fixed_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], ""),
                                  x, self.fixed_rows)
@@ -410,6 +408,22 @@ def tiled_rows(dtype: torch.dtype) -> int | None:
     if setting == "small":
         return SMALL_BATCH_ROWS
     return AMX_TILED_ROWS if ops.cpu_flag("amx_bf16") else ALL_ROWS
+
+
+def in_fixed_rows(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``product(x)`` computed in calls of exactly ``rows`` rows of x's last dimension (the last
+    call padded with zero rows), so every row's result is the same bits however many rows x has."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    if n == 0:
+        out = product(flat)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    pad = -n % rows
+    if pad:
+        flat = F.pad(flat, (0, 0, 0, pad))
+    outs = [product(flat[i : i + rows]) for i in range(0, n + pad, rows)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def amx_rows(kernels: ops.CpuKernels) -> int:

@@ -26,12 +26,8 @@ from torch import nn  # noqa: E402
 
 from services.worker.backends import PagedBatch, select_backend  # noqa: E402
 from services.worker.backends.base import AttentionBackend, as_decodes  # noqa: E402
-from services.worker.model.batch_invariant import (  # noqa: E402
-    FixedRowsLinear,
-    in_fixed_rows,
-    make_linears_batch_invariant,
-)
-from services.worker.model.packed_linear import PackedLinear  # noqa: E402
+from services.worker.model.batch_invariant import FixedRowsLinear, make_linears_batch_invariant  # noqa: E402
+from services.worker.model.packed_linear import PackedLinear, in_fixed_rows  # noqa: E402
 from services.worker.runner import check_deterministic  # noqa: E402
 from services.worker.sampler import Sampler  # noqa: E402
 from shared.config import WorkerConfig  # noqa: E402
@@ -224,3 +220,37 @@ def test_top_logprobs_list_ties_by_token_id_in_any_batch() -> None:
     assert _top_by_id(batch, 5)[1][1] == [3, 7, 12, 40, 2]
     assert _top_by_id(row.unsqueeze(0), 4)[1] == [[3, 7, 12, 40]]  # k at the tie's edge
     assert _top_by_id(row.unsqueeze(0), 6)[1] == [[3, 7, 12, 40, 2, 30]]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[dev]')")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_gpu_rmsnorm_gives_a_row_its_bits_at_any_row_count(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from services.worker.cuda.invariant_norm import InvariantRMSNorm, make_norms_batch_invariant
+
+    torch.manual_seed(2)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)  # not a power of two: the row's masked tail counts
+    with torch.no_grad():
+        norm.weight.normal_()
+    holder = nn.Sequential(norm, nn.Linear(96, 96))
+    assert make_norms_batch_invariant(holder) == 1 and isinstance(holder[0], InvariantRMSNorm)
+    x = torch.randn(2, 37, 96).to(dtype) * 3
+    got = holder[0](x)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-6  # bfloat16: within two of its steps (rsqrt against 1/sqrt)
+    torch.testing.assert_close(got, norm(x), atol=tol * 4, rtol=tol)
+    flat = x.reshape(-1, 96)
+    for rows in (1, 5, 74):
+        assert torch.equal(holder[0](flat[:rows]), got.reshape(-1, 96)[:rows])
+
+
+def test_a_norm_without_an_invariant_gpu_kernel_is_refused_by_name() -> None:
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from services.worker.cuda.invariant_norm import make_norms_batch_invariant
+
+    class GemmaRMSNorm(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="GemmaRMSNorm"):
+        make_norms_batch_invariant(nn.Sequential(GemmaRMSNorm()))
