@@ -296,9 +296,6 @@ class ModelRunner:
 
 def check_deterministic(config: WorkerConfig, backend: str) -> None:
     """Refuse, by name, what ``--deterministic`` cannot keep its promise for (docs/api.md)."""
-    if config.tensor_parallel_size > 1:
-        raise ValueError("--deterministic is not available with tensor parallelism yet: the row-parallel "
-                         "products and their all-reduce are not batch-invariant (use --tensor-parallel-size 1)")
     if config.device != "cpu" and backend == "reference":
         raise ValueError("--deterministic on a GPU needs the triton attention backend, not 'reference' "
                          "(PyTorch's CUDA reductions pick their blocking by the batch's shape)")

@@ -74,3 +74,25 @@ def test_the_split_divides_heads_and_refuses_what_does_not_divide() -> None:
         check_divisible({**config, "num_key_value_heads": 1}, 2)
     with pytest.raises(ValueError, match="attention heads"):
         check_divisible(config, 3)
+
+
+def test_tp2_deterministic_gives_seeded_requests_their_bits_alone() -> None:
+    """--deterministic with two ranks: the row-parallel partials summed in rank order, so a
+    seeded request's tokens and logprobs in a chunked, preempting mix are those it gets alone."""
+    torch.set_num_threads(1)
+    folder = cached_tiny_model("llama")
+    config = json.loads((folder / "config.json").read_text())
+    budget = kv_block_bytes(config, "float32", BLOCK_SIZE) * NUM_BLOCKS_TP1 + 17
+    seeded = [GenerationParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, seed=40 + i, logprobs=2,
+                               ignore_eos=True) for i in range(len(PROMPTS))]
+    with LLM(model=str(folder), dtype="float32", kv_cache_memory=budget * 8, block_size=BLOCK_SIZE, num_threads=1,
+             tensor_parallel_size=2, deterministic=True, enable_prefix_caching=False) as alone_llm:
+        alone = [alone_llm.generate([p], g)[0] for p, g in zip(PROMPTS, seeded, strict=True)]
+    # each rank holds half the KV heads: half the bytes keep the 24 blocks that preempt
+    with LLM(model=str(folder), dtype="float32", kv_cache_memory=budget // 2, block_size=BLOCK_SIZE, num_threads=1,
+             tensor_parallel_size=2, deterministic=True, max_num_batched_tokens=16, max_num_seqs=8,
+             long_prefill_token_threshold=8) as mixed:
+        outs = mixed.generate(PROMPTS, seeded)
+        assert mixed.scheduler.stats().num_preemptions_total > 0
+    for a, b in zip(alone, outs, strict=True):
+        assert (a.token_ids, repr(a.logprobs)) == (b.token_ids, repr(b.logprobs))

@@ -74,11 +74,11 @@ def make_linears_batch_invariant(model: nn.Module, device: torch.device) -> tupl
     seen: set[int] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PackedLinear):
+            if isinstance(child, PackedLinear) or hasattr(child, "make_batch_invariant"):  # + RowParallelLinear
                 if id(child) not in seen:
                     seen.add(id(child))
                     ways[child.make_batch_invariant(rows)] += 1
-            elif type(child) is nn.Linear:  # subclasses and tensor-parallel shards are not taken
+            elif type(child) is nn.Linear:  # subclasses are not taken
                 if id(child) not in replaced:
                     replaced[id(child)] = FixedRowsLinear(child, rows)
                     ways[f"{device.type} BLAS in {rows}-row calls"] += 1

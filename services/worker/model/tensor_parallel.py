@@ -55,6 +55,8 @@ from torch import nn
 from shared import capacity
 from shared.config import WorkerConfig
 
+from .packed_linear import in_fixed_rows
+
 log = logging.getLogger("ferry.worker.tp")
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a peer that vanished is usually seen at once (closed socket); this bounds a hang
@@ -67,11 +69,27 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.fixed_rows = 0  # --deterministic: products in calls of this many rows, partial sums added in rank order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y)
+        if self.fixed_rows:
+            weight = self.weight
+            y = in_fixed_rows(lambda rows: F.linear(rows, weight), x, self.fixed_rows)
+            # all_reduce's ring sums each element in an order set by where it falls in the
+            # buffer, whose size is the step's rows: every rank's partial, added in rank order
+            parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, y.contiguous())
+            y = parts[0]
+            for part in parts[1:]:
+                y = y + part
+        else:
+            y = F.linear(x, self.weight)
+            dist.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+    def make_batch_invariant(self, fixed_rows: int) -> str:
+        self.fixed_rows = fixed_rows
+        return f"row-parallel, BLAS in {fixed_rows}-row calls, partials summed in rank order"
 
 
 def _column(linear: nn.Linear, rank: int, size: int) -> nn.Linear:
