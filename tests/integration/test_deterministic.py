@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,12 +73,17 @@ HARD = Mix(order=(2, 1, 3, 0, 5, 4, 1), max_num_batched_tokens=16, long_prefill_
            prefix_caching=True, warm=3, neighbours=2)
 
 
+# --kv-cache-dtype and --quantization of the engines _engine builds (test_other_numerics sets them)
+NUMERICS = {"kv_cache_dtype": "auto", "quantization": "none"}
+
+
 def _engine(dtype: str, backend: str, num_blocks: int, deterministic: bool = True, **knobs: object) -> LLM:
     folder = cached_tiny_model("llama-hd64")
     config = json.loads((folder / "config.json").read_text())
-    budget = kv_block_bytes(config, dtype, BLOCK) * num_blocks + 17  # a partial block is dropped
+    kv_dtype = "fp8" if NUMERICS["kv_cache_dtype"] == "fp8" else dtype
+    budget = kv_block_bytes(config, kv_dtype, BLOCK) * num_blocks + 17  # a partial block is dropped
     return LLM(model=str(folder), dtype=dtype, kv_cache_memory=budget, block_size=BLOCK, num_threads=1,
-               attention_backend=backend, deterministic=deterministic, **knobs)  # type: ignore[arg-type]
+               attention_backend=backend, deterministic=deterministic, **NUMERICS, **knobs)  # type: ignore[arg-type]
 
 
 def _bits(out: Output) -> tuple[object, ...]:
@@ -169,6 +175,19 @@ def test_a_mix_with_preemption_and_prefix_hits(backend: str, dtype: str) -> None
     stats = llm.scheduler.stats()
     assert stats.num_preemptions_total > 0, "the KV budget was meant to preempt"
     assert stats.prefix_cache_hits_total > 0, "the repeated prompts were meant to hit the prefix cache"
+
+
+@pytest.mark.parametrize("numerics", [{"kv_cache_dtype": "fp8"}, {"quantization": "int8"}], ids=["fp8-kv", "int8"])
+def test_other_numerics_too(numerics: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float8 KV cache (every token reads the rounded keys, its own chunk's too) and W8A8 int8
+    layers (per-row activation scales, integer sums) under the mix with preemption and hits."""
+    if "cpu_paged" not in _backends():
+        pytest.skip("the float8 cache needs the CPU kernels")
+    monkeypatch.setitem(NUMERICS, "kv_cache_dtype", numerics.get("kv_cache_dtype", "auto"))
+    monkeypatch.setitem(NUMERICS, "quantization", numerics.get("quantization", "none"))
+    monkeypatch.setattr(sys.modules[__name__], "_ALONE", {})
+    llm = _check("bfloat16", "cpu_paged", HARD)
+    assert llm.scheduler.stats().num_preemptions_total > 0
 
 
 @pytest.mark.parametrize("backend", _backends())
