@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +79,8 @@ def make_linears_batch_invariant(model: nn.Module, device: torch.device) -> tupl
             if isinstance(child, PackedLinear) or hasattr(child, "make_batch_invariant"):  # + RowParallelLinear
                 if id(child) not in seen:
                     seen.add(id(child))
-                    ways[child.make_batch_invariant(rows)] += 1
+                    make = cast(Callable[[int], str], child.make_batch_invariant)
+                    ways[make(rows)] += 1
             elif type(child) is nn.Linear:  # subclasses are not taken
                 if id(child) not in replaced:
                     replaced[id(child)] = FixedRowsLinear(child, rows)
