@@ -25,7 +25,7 @@ import torch
 from shared import capacity
 from shared.models import ModelSource, converted_root, resolve_model, tokenizer_dir, write_atomically
 
-from .model.attention import ATTN_IMPLEMENTATION, register_paged_attention
+from .model.attention import ATTN_IMPLEMENTATION, ModelRefused, register_paged_attention
 
 log = logging.getLogger("ferry.worker.loader")
 
@@ -106,9 +106,18 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(folder)
     if getattr(hf_config, "quantization_config", None) is not None:
         raise ValueError(f"{name}: quantized checkpoints are not supported (only plain safetensors or GGUF)")
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=None
-    )
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=None
+        )
+    except (KeyError, ValueError) as exc:
+        if ATTN_IMPLEMENTATION not in str(exc):
+            raise
+        # the model code picks its attention from a table of its own (Falcon's classes), not
+        # through transformers' attention interface: ferry's paged attention cannot be plugged in
+        arch = ",".join(getattr(hf_config, "architectures", None) or [type(hf_config).__name__])
+        raise ModelRefused(f"{arch}: ferry cannot serve this model: its attention does not go through "
+                           f"transformers' attention interface ({type(exc).__name__}: {exc})") from exc
     model.to(device)
     model.eval()
     model.requires_grad_(False)

@@ -42,7 +42,9 @@ from .logits_processors import ConstraintTracker
 from .model import tensor_parallel
 from .model.attention import StepAttention
 from .model.fused_ops import kernels as fused_kernels
+from .model.output_head import with_output_transform
 from .model.prepare import prepare_cpu_weights
+from .model.probe import check_model
 from .sampler import Sampler
 
 log = logging.getLogger("ferry.worker.runner")
@@ -120,6 +122,14 @@ class ModelRunner:
             from .cuda.invariant_norm import make_norms_batch_invariant
 
             log.info("deterministic: %d RMSNorms on the row-wise Triton kernel", make_norms_batch_invariant(self.model))
+        # what the model's forward does to its head's output (a soft-cap, a scale), since the runner
+        # applies the head itself; then one prompt through ferry's path and transformers' own
+        # (model/probe.py): a model ferry would compute wrongly is refused here, by name
+        self.lm_head = with_output_transform(self.lm_head, self.model, self.hf_config)
+        if self.tp is None:
+            check_model(self.model, self._step_forward, self.lm_head, self.attn_backend, kv_config, self.kv_dtype,
+                        self.block_size, self.max_model_len, self.device, self.dtype,
+                        quantized=config.quantization != "none" or self.kv_dtype == FP8)
         if config.quantization == "int8":
             self.weight_bytes = _weight_bytes(self.model)
         self.batch = BatchState(self.block_size)
@@ -187,6 +197,13 @@ class ModelRunner:
         del scratch
         torch.cuda.synchronize(self.device)
 
+    def _step_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        """The step's last hidden states [1, T, hidden]: the lean forward where built, else the model's."""
+        if self.lean is not None:
+            return self.lean(input_ids, positions, step)
+        return self.body(input_ids=input_ids, position_ids=positions, use_cache=False,
+                         ferry_meta=step).last_hidden_state
+
     # ------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         self.batch.apply(plan)
@@ -203,11 +220,7 @@ class ModelRunner:
                 if packed.sample_states:
                     logits = all_logits.index_select(0, packed.sample_token_idx)
             else:
-                if self.lean is not None:
-                    last = self.lean(packed.input_ids, packed.positions, packed.attention)
-                else:
-                    last = self.body(input_ids=packed.input_ids, position_ids=packed.positions, use_cache=False,
-                                     ferry_meta=packed.attention).last_hidden_state
+                last = self._step_forward(packed.input_ids, packed.positions, packed.attention)
                 if packed.sample_states:
                     hidden = last[0].index_select(0, packed.sample_token_idx)
                     logits = self.lm_head(hidden)  # [num_sampling, vocab]

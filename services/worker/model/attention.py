@@ -26,6 +26,43 @@ from ..backends import AttentionBackend
 
 ATTN_IMPLEMENTATION = "ferry_paged"
 
+# Keywords transformers' attention modules pass that change what attention computes and that
+# ferry's backends do not implement: a model that passes one with a value is refused at load
+# (model/probe.py runs one forward there), never served without it.
+UNSUPPORTED_KEYWORDS = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "alibi": "ALiBi position biases",
+    "position_bias": "relative position biases",
+    "head_mask": "a head mask",
+}
+# Keywords that carry nothing for ferry's paged attention (or that it honours: ferry_meta, and
+# sliding_window below); any other keyword with a value is refused the same way.
+IGNORED_KEYWORDS = frozenset({
+    "ferry_meta", "sliding_window", "position_ids", "cache_position", "use_cache", "past_key_values",
+    "past_key_value", "output_attentions", "is_causal", "position_embeddings", "layer_idx",
+})
+
+
+class UnsupportedAttention(NotImplementedError):
+    """A model's attention needs a feature ferry's backends do not compute (named in the message)."""
+
+
+class ModelRefused(ValueError):
+    """The model cannot be served exactly; the message names the architecture and why."""
+
+
+def check_keywords(kwargs: dict[str, Any]) -> None:
+    for name, value in kwargs.items():
+        if value is None or value is False or name in IGNORED_KEYWORDS:
+            continue
+        if name in UNSUPPORTED_KEYWORDS:
+            shown = value if isinstance(value, int | float) else type(value).__name__
+            raise UnsupportedAttention(f"its attention uses {UNSUPPORTED_KEYWORDS[name]} ({name}={shown})")
+        raise UnsupportedAttention(f"its attention takes the keyword {name}={type(value).__name__}, which ferry "
+                                   "does not know")
+
 
 @dataclass(frozen=True)
 class StepAttention:
@@ -49,7 +86,11 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     step: StepAttention | None = kwargs.get("ferry_meta")
     if step is None:
-        raise RuntimeError("ferry_paged attention needs ferry_meta=StepAttention in the forward kwargs")
+        raise UnsupportedAttention("its decoder layers do not pass their keyword arguments on to the attention "
+                                   "(ferry_meta never reaches it)")
+    if dropout:
+        raise UnsupportedAttention(f"its attention uses dropout in inference ({dropout})")
+    check_keywords(kwargs)
     window = kwargs.get("sliding_window")
     if window is not None and not 0 < step.max_model_len <= window:
         # The runner caps max_model_len at the window, so every key is always inside it.
