@@ -27,7 +27,8 @@ This module runs the same step without it, in one of two ways:
 Either way the hidden states and the keys and values written are bit-identical to the
 model's own forward in that state (tests/unit/worker/test_lean_forward.py). Only for the
 architectures whose decoder layer is the plain pre-norm residual block (Llama,
-Mistral, Qwen2; not Qwen3's q/k norms), no sliding window, never with tensor
+Mistral, Qwen2, and Qwen3 with its per-head q/k norms before RoPE: there the q/k/v product
+does not apply RoPE in its epilogue and decode steps keep the Python loop), no sliding window, never with tensor
 parallelism; anything else keeps transformers' forward. ``FERRY_CPU_LEAN_FORWARD=0``
 turns it off.
 """
@@ -51,8 +52,8 @@ from .packed_linear import FusedHead, PackedLinear
 
 log = logging.getLogger("ferry.worker.lean_forward")
 
-MODELS = {"LlamaModel", "MistralModel", "Qwen2Model"}
-LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
+MODELS = {"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}
+LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 
 
 def lean_forward_enabled() -> bool:
@@ -118,9 +119,11 @@ class LeanDecoder:
                 projections: Any = (attn.q_proj.fused, attn.q_proj.sizes)
             else:
                 projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            # Qwen3: RMSNorms over each head's query and key, after the projection, before RoPE
+            qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
             self.layers.append((i, layer.input_layernorm, projections, attn.head_dim, float(attn.scaling),
                                 attn.o_proj, layer.post_attention_layernorm, layer.mlp,
-                                sys.modules[type(attn).__module__]))
+                                sys.modules[type(attn).__module__], qk_norms))
         # A decode step's layers in one C++ call (csrc/decode_layers.cpp) where every
         # projection is on the tiled bfloat16 kernel.
         self.decode_args: DecodeLayerArgs | None = None
@@ -184,17 +187,20 @@ class LeanDecoder:
         # RMSNorm, in one pass): the same bfloat16 sum and the same norm kernel as separately.
         h = self.layers[0][1](x)
         delta = None
-        for i, norm1, (qkv_proj, sizes), head_dim, scale, o_proj, norm2, mlp, _ in self.layers:
+        for i, norm1, (qkv_proj, sizes), head_dim, scale, o_proj, norm2, mlp, _, qk_norms in self.layers:
             if delta is not None:
                 x, h = add_norm(x, delta, norm1.weight, norm1.variance_epsilon)
             qkv = (qkv_proj.rope_forward(h, cos, sin, sizes[0] + sizes[1], head_dim)
-                   if rope_in_product and isinstance(qkv_proj, PackedLinear) else None)
+                   if rope_in_product and qk_norms is None and isinstance(qkv_proj, PackedLinear) else None)
             if qkv is not None:
                 q, k, v = torch.split(qkv, sizes, dim=-1)
                 q, k = q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim)
             else:
                 q, k, v = torch.split(qkv_proj(h), sizes, dim=-1)
-                q, k = rotary(q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim), cos, sin)
+                q, k = q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim)
+                if qk_norms is not None:  # as the model: the norm over [1, T, heads, head_dim], then RoPE
+                    q, k = qk_norms[0](q.unsqueeze(0))[0], qk_norms[1](k.unsqueeze(0))[0]
+                q, k = rotary(q, k, cos, sin)
             k_cache, v_cache = step.kv_caches[i]
             o = step.backend.forward(i, q, k, v.view(tokens, -1, head_dim), k_cache, v_cache, step.metadata, scale)
             x, h = add_norm(x, o_proj(o.reshape(1, tokens, -1)), norm2.weight, norm2.variance_epsilon)
@@ -225,11 +231,14 @@ class LeanDecoder:
     def _plain(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """The model's modules, called as its layer and attention code call them."""
         tokens = x.shape[1]
-        for i, norm1, (q_proj, k_proj, v_proj), head_dim, scale, o_proj, norm2, mlp, code in self.layers:
+        for i, norm1, (q_proj, k_proj, v_proj), head_dim, scale, o_proj, norm2, mlp, code, qk_norms in self.layers:
             h = norm1(x)
             shape = (1, tokens, -1, head_dim)
-            q = q_proj(h).view(shape).transpose(1, 2)  # [1, heads, T, head_dim], as transformers has them
-            k = k_proj(h).view(shape).transpose(1, 2)
+            q, k = q_proj(h).view(shape), k_proj(h).view(shape)
+            if qk_norms is not None:  # Qwen3
+                q, k = qk_norms[0](q), qk_norms[1](k)
+            q = q.transpose(1, 2)  # [1, heads, T, head_dim], as transformers has them
+            k = k.transpose(1, 2)
             v = v_proj(h).view(shape).transpose(1, 2)
             q, k = code.apply_rotary_pos_emb(q, k, cos, sin)  # looked up per call: fused_ops may patch it
             k_cache, v_cache = step.kv_caches[i]
@@ -271,6 +280,8 @@ def _decode_layer_args(body: Any, kernels: ops.CpuKernels | None = None) -> Deco
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms: tuple[Any, Any] = (layer.input_layernorm, layer.post_attention_layernorm)
+        if hasattr(attn, "q_norm"):  # Qwen3's per-head norms: not in the C++ layer loop
+            return None
         if not (isinstance(attn.q_proj, FusedHead) and isinstance(mlp, FusedSiluMLP) and mlp._gated is not None
                 and all(isinstance(n, FusedRMSNorm) and n.weight.dtype == torch.bfloat16 for n in norms)):
             return None

@@ -1,6 +1,6 @@
 """The lean CPU forward (services/worker/model/lean_forward.py) against transformers' own.
 
-Random Llama, Mistral and Qwen2 (q/k/v biases) models: in bfloat16 and float32 with
+Random Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) models: in bfloat16 and float32 with
 every swap of packed_linear and fused_ops made (the fused mode), and untouched in float32
 and bfloat16 (the plain mode). Two steps through ferry's paged attention (two fresh
 prompts, then their decodes beside a third prompt's first chunk), each through the
@@ -62,7 +62,7 @@ def _steps() -> list[tuple[list[int], list[int], list[list[int]]]]:
     return [([7, 5], [7, 5], tables[:2]), ([1, 1, 6], [8, 6, 6], tables), ([1, 1, 1], [9, 7, 7], tables)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
 def test_fused_lean_forward_equals_the_models_forward(kind: str, dtype: torch.dtype, backend_name: str) -> None:
@@ -79,7 +79,7 @@ def test_fused_lean_forward_equals_the_models_forward(kind: str, dtype: torch.dt
     _check_steps(body, lean, config, backend_name, dtype)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
 def test_plain_lean_forward_equals_the_models_forward(kind: str, dtype: torch.dtype, backend_name: str) -> None:
@@ -276,8 +276,8 @@ def test_lean_forward_modes_and_what_it_declines(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("FERRY_CPU_LEAN_FORWARD", "0")
     assert LeanDecoder.build(body, None) is None
     monkeypatch.delenv("FERRY_CPU_LEAN_FORWARD")
-    qwen3, _ = _model("qwen3")  # per-head q/k norms before RoPE: not the plain layer
-    assert LeanDecoder.build(qwen3.get_decoder(), None) is None
+    olmo2, _ = _model("olmo2")  # norms after attention and MLP: not the plain pre-norm layer
+    assert LeanDecoder.build(olmo2.get_decoder(), None) is None
     windowed, _ = _model("mistral", sliding_window=16)
     assert LeanDecoder.build(windowed.get_decoder(), None) is None
 
