@@ -98,8 +98,11 @@ class EngineClient:
         self.stats: EngineStats | None = None
         self.stats_received: float | None = None  # time.monotonic() when ``stats`` arrived
         # requests this gateway sent since ``stats`` and the scheduler has not refused: the
-        # queue the stats describe has likely grown by these (see GatewayState.early_refusal)
+        # queue the stats describe has likely grown by these (see GatewayState.early_refusal); a
+        # request leaves the count at its first delta (it runs: it is no longer waiting), at its
+        # refusal, and with the next EngineStats, which counts it itself (stats_gen moves on)
         self.sent_since_stats = 0
+        self.stats_gen = 0
         self.down_reason = "no scheduler seen yet"
         self._streams = StreamTable()
         self._orphans: set[str] = set()  # failed locally; abort them once a scheduler is back
@@ -203,7 +206,7 @@ class EngineClient:
         if not ready:
             raise EngineUnavailable(reason)
         for add in adds:
-            self._streams.add(Stream(add.req_id, queue, owner))
+            self._streams.add(Stream(add.req_id, queue, owner, stats_gen=self.stats_gen))
         for i, add in enumerate(adds):
             if not self._send(add):
                 sent = [a.req_id for a in adds[:i]]
@@ -317,6 +320,12 @@ class EngineClient:
             for stream in self._streams.take_held():
                 stream.queue.put_nowait((stream.req_id, EngineFailure(message)))
 
+    def _left_waiting(self, stream: Stream) -> None:
+        """``stream`` is no longer waiting in the scheduler: out of ``sent_since_stats`` if counted."""
+        if stream.stats_gen == self.stats_gen:
+            self.sent_since_stats = max(0, self.sent_since_stats - 1)
+        stream.stats_gen = -1
+
     def _maybe_resume(self) -> None:
         if self._streams.held and self.ready():
             self._resume_held()
@@ -335,18 +344,20 @@ class EngineClient:
             for delta in msg.deltas:
                 stream = self._streams.by_wire(delta.req_id)
                 if stream is not None:
+                    self._left_waiting(stream)
                     stream.output_token_ids.extend(delta.new_token_ids)
                     stream.finished = stream.finished or delta.finish_reason is not None
                     stream.queue.put_nowait((stream.req_id, delta))
         elif isinstance(msg, RequestRejected):
-            self.sent_since_stats = max(0, self.sent_since_stats - 1)
             stream = self._streams.remove_wire(msg.req_id)
             if stream is not None:
+                self._left_waiting(stream)
                 stream.queue.put_nowait((stream.req_id, msg))
         elif isinstance(msg, EngineStats):
             self.stats = msg
             self.stats_received = time.monotonic()
             self.sent_since_stats = 0
+            self.stats_gen += 1
             if self._on_stats is not None:
                 self._on_stats(msg)
         elif isinstance(msg, EngineHealth):

@@ -64,6 +64,9 @@ class Stream:
     # after the last of them, even if the owner has not read them all yet
     output_token_ids: list[int] = field(default_factory=list)
     finished: bool = False  # its final delta is routed: nothing to resume
+    # the EngineClient's stats generation when it was sent, while it still counts as waiting in
+    # the client's sent_since_stats (-1: not counted, or no longer)
+    stats_gen: int = -1
 
     def __post_init__(self) -> None:
         if not self.wire_id:

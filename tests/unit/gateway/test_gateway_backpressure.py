@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -231,3 +232,30 @@ def test_queue_full_message_says_the_estimate_not_a_stale_snapshot() -> None:
     err = _state_with(empty, age_s=0.1, sent=2).early_refusal()
     assert err is not None and err.message.startswith("the waiting queue is full (about 2 of 2 requests, ")
     assert "(0 of 2" not in err.message
+
+
+def test_a_request_leaves_the_sent_count_when_it_runs_or_is_refused() -> None:
+    """The early refusal counts what this gateway sent since the last EngineStats as waiting;
+    one that has its first delta runs, one that is refused never waits: neither counts, so a
+    client with a few requests in flight is not refused by its own running requests."""
+    from services.gateway.engines.resume import Stream
+    from shared.messages import RequestDelta, RequestDeltas, RequestRejected
+
+    engine = EngineClient("ipc:///nonexistent", "gw-test")
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(4):
+        engine._streams.add(Stream(f"r{i}", queue, None, stats_gen=engine.stats_gen))
+    engine.sent_since_stats = 4
+    engine._dispatch(RequestDeltas(step_id=1, deltas=[RequestDelta(req_id="r0", new_token_ids=[5]),
+                                                               RequestDelta(req_id="r1", new_token_ids=[6])]))
+    assert engine.sent_since_stats == 2
+    engine._dispatch(RequestDeltas(step_id=1, deltas=[RequestDelta(req_id="r0", new_token_ids=[7])]))
+    assert engine.sent_since_stats == 2  # its first delta took it out; later ones change nothing
+    engine._dispatch(RequestRejected(req_id="r2", reason="queue_full", message="full"))
+    assert engine.sent_since_stats == 1
+    stats = EngineStats(time=0.0, num_running=2, num_waiting=1, num_kv_blocks_total=1, num_kv_blocks_free=0,
+                        kv_usage=1.0, config={"max_waiting_requests": "8"})
+    engine._dispatch(stats)  # the snapshot counts r3 itself now
+    assert engine.sent_since_stats == 0
+    engine._dispatch(RequestDeltas(step_id=1, deltas=[RequestDelta(req_id="r3", new_token_ids=[1])]))
+    assert engine.sent_since_stats == 0  # sent before that snapshot: not counted twice
