@@ -145,7 +145,7 @@ class GatewayState:
         except (KeyError, ValueError):
             return None  # a scheduler that does not report its bound: let it decide
         # the queue now, as best this gateway can tell: the snapshot, plus what this gateway
-        # sent since (and was not refused), minus what drained meanwhile at the measured rate;
+        # sent since (not refused, not running yet), minus what drained meanwhile at the measured rate;
         # refusing only when that is still full keeps a stale snapshot from starving the engine
         estimate = stats.num_waiting + self.engine.sent_since_stats - stats.drain_rate_rps * age
         if estimate < bound:
@@ -155,7 +155,7 @@ class GatewayState:
         waiting = max(bound, math.ceil(estimate))
         retry = retry_after_header(drain_retry_after_s(waiting, stats.drain_rate_rps))
         return APIError(429, f"the waiting queue is full (about {waiting} of {bound} requests, counting "
-                             f"those sent since the scheduler's last report); retry after {retry} s",
+                             f"those sent since the scheduler's last report and not running yet); retry after {retry} s",
                         code="queue_full", headers={"Retry-After": retry})
 
     @property

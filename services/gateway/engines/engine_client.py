@@ -97,7 +97,7 @@ class EngineClient:
         self.health: EngineHealth | None = None
         self.stats: EngineStats | None = None
         self.stats_received: float | None = None  # time.monotonic() when ``stats`` arrived
-        # requests this gateway sent since ``stats`` and the scheduler has not refused: the
+        # requests this gateway sent since ``stats``, not refused and not running yet: the
         # queue the stats describe has likely grown by these (see GatewayState.early_refusal); a
         # request leaves the count at its first delta (it runs: it is no longer waiting), at its
         # refusal, and with the next EngineStats, which counts it itself (stats_gen moves on)
