@@ -44,7 +44,7 @@ from .model.attention import StepAttention
 from .model.fused_ops import kernels as fused_kernels
 from .model.output_head import with_output_transform
 from .model.prepare import prepare_cpu_weights
-from .model.probe import check_model
+from .model.probe import check_model, scratch_prompt
 from .sampler import Sampler
 
 log = logging.getLogger("ferry.worker.runner")
@@ -180,21 +180,17 @@ class ModelRunner:
     def _profile_run(self, config_dict: dict) -> None:
         """A forward at the step token budget with a one-block scratch cache, for the activation peak."""
         n = self._profile_tokens()
-        blocks = -(-n // self.block_size)
-        scratch = KVCache.allocate(config_dict, blocks, self.block_size, self.dtype, self.config.device)
         ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
         backend = select_backend(self.config.attention_backend, self.device)
         if self.config.deterministic:
             backend.make_batch_invariant()
-        batch, positions = build_paged_batch([n], [n], [list(range(blocks))], self.block_size,
-                                             self.max_model_len, self.device)
-        step = StepAttention(backend, backend.prepare(batch), scratch.caches, self.max_model_len)
-        pos = torch.from_numpy(positions).to(self.device).unsqueeze(0)
-        with torch.inference_mode():
+        step, pos, scratch = scratch_prompt(backend, n, config_dict, self.dtype, self.block_size,
+                                            self.max_model_len, self.device)
+        with torch.inference_mode():  # before the lean forward exists: the model's own body
             hidden = self.body(input_ids=ids, position_ids=pos, use_cache=False, ferry_meta=step).last_hidden_state
             # The sampler's float32 copy and log-softmax of the logits are part of the peak too.
             self.lm_head(hidden[0, -min(n, self.config.max_num_seqs) :]).float().log_softmax(-1)
-        del scratch
+        del step, scratch
         torch.cuda.synchronize(self.device)
 
     def _step_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:

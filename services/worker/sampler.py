@@ -351,16 +351,21 @@ def _top_by_id(raw: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[
     """Each row's ``k`` best (value, token id), ties listed by token id. ``topk`` orders (and at
     the k-th place picks among) tied values as its kernel's split of the rows falls, which moves
     with the number of rows (bfloat16 logits tie often), so a request's top logprobs would
-    depend on its batch."""
-    kth = raw.topk(k, dim=-1).values[:, -1:]
-    vals: list[list[float]] = []
-    ids: list[list[int]] = []
-    for row, bound in zip(raw, kth, strict=True):
-        cand = (row >= bound).nonzero().flatten()  # ascending token ids
+    depend on its batch. Within the k, ties are put in id order by two sorts over [rows, k];
+    only a row whose k-th value ties with a value left out is redone over all its candidates."""
+    vals, ids = raw.topk(k, dim=-1)
+    by_id = ids.sort(dim=-1)
+    by_value = vals.gather(1, by_id.indices).sort(dim=-1, descending=True, stable=True).indices
+    vals, ids = vals.gather(1, by_id.indices).gather(1, by_value), by_id.values.gather(1, by_value)
+    kth = vals[:, -1:]
+    at_edge = ((raw == kth).sum(-1) > (vals == kth).sum(-1)).nonzero().flatten().tolist()
+    out_vals, out_ids = vals.tolist(), ids.tolist()
+    for r in at_edge:  # the k-th place is a tie that runs past k: the lowest ids win it
+        row = raw[r]
+        cand = (row >= kth[r]).nonzero().flatten()  # ascending token ids
         order = torch.sort(row[cand], descending=True, stable=True).indices[:k]
-        vals.append(row[cand[order]].tolist())
-        ids.append(cand[order].tolist())
-    return vals, ids
+        out_vals[r], out_ids[r] = row[cand[order]].tolist(), cand[order].tolist()
+    return out_vals, out_ids
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ The attention side is ``backends.base.as_decodes``.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import cast
@@ -28,9 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed_linear import PackedLinear, in_fixed_rows
-
-log = logging.getLogger("ferry.worker.batch_invariant")
+from .packed_linear import in_fixed_rows
 
 # Rows per product call. On the CPU a decode step of one request then pays for 16 rows of
 # arithmetic over a weight it reads once either way; on a GPU 64 rows still fit one tile row of
@@ -76,7 +73,7 @@ def make_linears_batch_invariant(model: nn.Module, device: torch.device) -> tupl
     seen: set[int] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PackedLinear) or hasattr(child, "make_batch_invariant"):  # + RowParallelLinear
+            if hasattr(child, "make_batch_invariant"):  # PackedLinear, RowParallelLinear
                 if id(child) not in seen:
                     seen.add(id(child))
                     make = cast(Callable[[int], str], child.make_batch_invariant)

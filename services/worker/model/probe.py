@@ -59,6 +59,18 @@ class _Counting(AttentionBackend):
         return self.inner.forward(layer_idx, query, key, value, k_cache, v_cache, metadata, scale)
 
 
+def scratch_prompt(backend: AttentionBackend, n: int, kv_config: dict[str, Any], kv_dtype: torch.dtype,
+                   block_size: int, max_model_len: int, device: torch.device,
+                   ) -> tuple[StepAttention, torch.Tensor, KVCache]:
+    """One fresh prompt of ``n`` tokens as a step over a cache of its own (the step, its
+    positions [1, n], the cache): the probe's, and the GPU's activation profile (runner.py)."""
+    blocks = -(-n // block_size)
+    scratch = KVCache.allocate(kv_config, blocks, block_size, kv_dtype, str(device))
+    batch, positions = build_paged_batch([n], [n], [list(range(blocks))], block_size, max_model_len, device)
+    step = StepAttention(backend, backend.prepare(batch), scratch.caches, max_model_len)
+    return step, torch.from_numpy(positions).to(device).unsqueeze(0), scratch
+
+
 def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1234)
     low = min(10, vocab_size - 1)
@@ -76,12 +88,8 @@ def check_model(model: nn.Module, forward: Any, lm_head: nn.Module, backend: Att
     vocab = int(getattr(model.config, "vocab_size", 0) or getattr(lm_head, "out_features", 0) or 2)
     n = min(PROBE_TOKENS, max_model_len)
     ids = probe_ids(vocab, n).to(device)
-    blocks = -(-n // block_size)
-    scratch = KVCache.allocate(kv_config, blocks, block_size, kv_dtype, str(device))
     counting = _Counting(backend)
-    batch, positions = build_paged_batch([n], [n], [list(range(blocks))], block_size, max_model_len, device)
-    step = StepAttention(counting, counting.prepare(batch), scratch.caches, max_model_len)
-    pos = torch.from_numpy(positions).to(device).unsqueeze(0)
+    step, pos, scratch = scratch_prompt(counting, n, kv_config, kv_dtype, block_size, max_model_len, device)
     try:
         with torch.inference_mode():
             hidden = forward(ids, pos, step)

@@ -252,3 +252,15 @@ def test_a_norm_without_an_invariant_gpu_kernel_is_refused_by_name() -> None:
 
     with pytest.raises(ValueError, match="GemmaRMSNorm"):
         make_norms_batch_invariant(nn.Sequential(GemmaRMSNorm()))
+
+
+def test_top_logprobs_ties_match_a_row_by_row_sort_on_tie_heavy_rows() -> None:
+    from services.worker.sampler import _top_by_id
+
+    gen = torch.Generator().manual_seed(9)
+    raw = (torch.randn(40, 300, generator=gen) * 2).round() / 2  # coarse values: ties everywhere
+    for k in (1, 3, 8, 20):
+        vals, ids = _top_by_id(raw, k)
+        for r in range(raw.shape[0]):
+            order = sorted(range(raw.shape[1]), key=lambda t: (-float(raw[r, t]), t))[:k]
+            assert ids[r] == order and vals[r] == [float(raw[r, t]) for t in order]
