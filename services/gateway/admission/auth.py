@@ -264,6 +264,17 @@ class Admission:
         if token is None or key_hash not in self._cache:
             raise _unauthorized(token)
 
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why not) for /ready: not ready while keys are kept in a Redis that has never
+        answered this gateway, since every API request would get a 503 then (a static key alone
+        still admits its holder, so that gateway is ready). Once Redis has answered, an outage
+        does not make the gateway unready: the cached keys decide (module doc)."""
+        self._ensure_task()
+        if self._client is None or self._auth_enabled is not None or self._static is not None:
+            return True, "ready"
+        why = f": {self._detail}" if self._detail else ""
+        return False, f"API keys cannot be verified yet: the key store (Redis) has not answered{why}"
+
     async def check_now(self) -> None:
         """Probe Redis now (GET /health): a refused connection shows as degraded at once, not at
         the next request or watcher tick, and ``keys_cached`` is refreshed from Redis."""

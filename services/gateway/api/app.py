@@ -96,6 +96,9 @@ async def health(request: Request) -> dict[str, Any]:
 async def ready(request: Request) -> JSONResponse:
     st = state_of(request)
     ok, reason = st.engine.readiness()
+    keys_ok, keys_reason = st.admission.readiness()
+    if ok and not keys_ok:
+        ok, reason = False, keys_reason
     body = {"ready": ok, "reason": reason, "scheduler": st.engine.status()}
     return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -123,6 +126,7 @@ def build_app(config: GatewayConfig, tokenizer: GatewayTokenizer | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await st.engine.start()
+        st.admission.readiness()  # starts the key store's watcher: its first probe sets the auth mode
         if st.registry is not None:
             st.registry.start(st.engine)
         try:

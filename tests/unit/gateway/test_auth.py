@@ -9,7 +9,7 @@ import pytest
 
 from services.gateway.admission.auth import Admission, AdmissionError, Grant, parse_bearer
 from shared.config import GatewayConfig
-from tests.redis_server import free_port
+from tests.redis_server import RedisServer, free_port
 
 
 def test_parse_bearer() -> None:
@@ -83,6 +83,38 @@ def test_unreachable_redis_at_start_refuses_quickly_with_503_and_reports_degrade
     assert health["redis"] == "degraded"
     assert health["auth"] == "unknown"
     assert static.key_name == "static"
+
+
+def test_not_ready_until_the_key_store_has_answered_once() -> None:
+    """/ready's key part: a gateway whose keys live in a Redis it has never reached would answer
+    every API request 503, so it is not ready; it becomes ready at the watcher's first answer
+    (an empty Redis: open mode), and a static key alone makes it ready at once."""
+
+    async def go() -> tuple[tuple[bool, str], tuple[bool, str], tuple[bool, str], str]:
+        port = free_port()
+        url = f"redis://127.0.0.1:{port}/0"
+        admission = Admission(GatewayConfig(redis_url=url), "g1", reconnect_interval_s=0.05)
+        with_static = Admission(GatewayConfig(redis_url=url, api_key="static-key"), "g2")
+        before = admission.readiness()
+        static = with_static.readiness()
+        await asyncio.sleep(0.3)  # the first probe has been refused by now
+        server = RedisServer(port).start()
+        try:
+            deadline = time.monotonic() + 10
+            while not admission.readiness()[0] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            after = admission.readiness()
+            mode = admission.auth_mode()
+        finally:
+            await admission.close()
+            await with_static.close()
+            server.stop()
+        return before, static, after, mode
+
+    before, static, after, mode = asyncio.run(go())
+    assert before[0] is False and "key store (Redis) has not answered" in before[1]
+    assert static == (True, "ready")
+    assert after == (True, "ready") and mode == "none"
 
 
 def test_the_redis_budget_comes_from_the_config_unless_given() -> None:
