@@ -87,13 +87,6 @@ class ModelRunner:
         self.eos_token_ids = _eos_ids(loaded.config_dict, loaded.model.generation_config)
         model_limit = int(loaded.config_dict.get("max_position_embeddings") or 0) or 1 << 20
         self.max_model_len = min(config.max_model_len, model_limit) if config.max_model_len > 0 else model_limit
-        window = _sliding_window(loaded.config_dict)
-        if window and self.max_model_len > window:
-            # Within the window, sliding-window attention is plain causal attention, so
-            # capping the length makes such models (Mistral) exact without a windowed kernel.
-            log.warning("max_model_len %d capped at the model's sliding window of %d tokens",
-                        self.max_model_len, window)
-            self.max_model_len = window
         self.block_size = config.block_size
         self.weight_bytes = _weight_bytes(self.model)
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
@@ -292,7 +285,7 @@ class ModelRunner:
             pos_t = torch.from_numpy(positions).to(dev).unsqueeze(0)
             sample_t = torch.tensor(sample_idx, dtype=torch.long, device=dev)
         step = StepAttention(self.attn_backend, self.attn_backend.prepare(batch), self.kv.caches,
-                             self.max_model_len)
+                             self.max_model_len, batch)
         return PackedInputs(
             input_ids=input_ids,
             positions=pos_t,
@@ -327,12 +320,3 @@ def _eos_ids(config_dict: dict, generation_config: object) -> list[int]:
             if int(t) not in ids:
                 ids.append(int(t))
     return ids
-
-
-def _sliding_window(config: dict[str, object]) -> int:
-    """The attention window the model's layers use (0: none). Qwen2-style configs carry
-    a ``sliding_window`` that only applies when ``use_sliding_window`` is set."""
-    window = config.get("sliding_window")
-    if not isinstance(window, int) or window <= 0 or config.get("use_sliding_window") is False:
-        return 0
-    return window

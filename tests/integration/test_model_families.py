@@ -73,9 +73,16 @@ FAMILIES: dict[str, tuple[dict[str, Any], str]] = {
     "opt": (dict(word_embed_proj_dim=64, ffn_dim=128), "exact"),
     "codegen": (dict(rotary_dim=8), "exact"),
     "persimmon": ({}, "exact"),
+    # attention variants (backends/variant.py), each turned up to bite: a soft-cap of 2, sinks of
+    # unit size, windows of 8 keys where the prompts run to 38 tokens
+    "gemma2-softcap": (dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=8), "exact"),
+    "gemma3_text-window": (dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                final_logit_softcapping=3.0), "exact"),
+    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8), "exact"),
+    "mistral-window": (dict(sliding_window=8), "exact"),
+    "qwen2-window": (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "exact"),
+    "cohere2-window": (dict(logit_scale=0.25, sliding_window=8), "exact"),
     # refused, by name
-    "gemma2-softcap": (dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0), "soft-capping"),
-    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), "attention sinks"),
     "bloom": ({}, "attention interface"),  # ALiBi, in its own attention code
     "falcon": (dict(new_decoder_architecture=True, num_kv_heads=2), "attention interface"),
     "stablelm": ({}, "do not pass their keyword arguments"),

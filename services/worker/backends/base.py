@@ -9,61 +9,15 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from .paged import PagedBatch, as_decodes, raw_bytes, write_kv
+from .variant import AttentionVariant, invariant_attention, variant_attention
 
-@dataclass(frozen=True)
-class PagedBatch:
-    """One step's attention work, built once per step by the runner, read by every layer."""
-
-    num_reqs: int
-    num_decodes: int  # the first num_decodes requests have query length 1
-    num_tokens: int
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32 on the device
-    seq_lens: torch.Tensor  # [num_reqs] int32 on the device: context length after this step
-    block_table: torch.Tensor  # [num_reqs, max_blocks] int32 on the device, padded with 0
-    slot_mapping: torch.Tensor  # [num_tokens] int64 on the device: flat KV slot of each new token
-    max_query_len: int
-    max_seq_len: int
-    block_size: int
-    max_model_len: int  # no sequence is longer (sliding windows at least this wide change nothing)
-    # Host copies (plain ints) for backends that plan on the CPU, so they never sync the device.
-    query_start_loc_cpu: tuple[int, ...]
-    seq_lens_cpu: tuple[int, ...]
-
-
-def as_decodes(batch: PagedBatch) -> PagedBatch:
-    """``batch`` with every query token as a decode of its own: token t of a chunk that starts
-    at position p attends as a one-token request of context p + t + 1 over its request's block
-    table (its own key is in the cache by then: every backend writes a step's keys and values
-    before it attends).
-
-    Batch-invariant attention (``--deterministic``, docs/api.md) computes every token this way,
-    so a token's reduction over its keys is the decode kernel's, in the same order, whether it
-    is computed in a prompt chunk of any size, after a prefix-cache hit, after a preemption or
-    as a decode beside any other requests. A step of decodes only is returned as it is.
-    """
-    if batch.num_decodes == batch.num_reqs:
-        return batch
-    qsl = torch.tensor(batch.query_start_loc_cpu, dtype=torch.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    rows = torch.repeat_interleave(torch.arange(batch.num_reqs), q_lens)
-    first = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64) - q_lens  # each chunk's first position
-    lens = first[rows] + torch.arange(len(rows)) - qsl[:-1][rows] + 1
-    n = int(rows.numel())
-    device = batch.block_table.device
-    return PagedBatch(
-        num_reqs=n, num_decodes=n, num_tokens=n,
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(device, non_blocking=True),
-        seq_lens=lens.to(torch.int32).to(device, non_blocking=True),
-        block_table=batch.block_table.index_select(0, rows.to(device, non_blocking=True)),
-        slot_mapping=batch.slot_mapping, max_query_len=1, max_seq_len=batch.max_seq_len,
-        block_size=batch.block_size, max_model_len=batch.max_model_len,
-        query_start_loc_cpu=tuple(range(n + 1)), seq_lens_cpu=tuple(lens.tolist()),
-    )
+__all__ = ["AttentionBackend", "BackendFactory", "PagedBatch", "as_decodes", "available_backends", "raw_bytes",
+           "register_backend", "select_backend", "write_kv"]
 
 
 class AttentionBackend(ABC):
@@ -78,6 +32,48 @@ class AttentionBackend(ABC):
     def make_batch_invariant(self) -> None:
         """Compute every token through the decode path (``as_decodes``), batch-invariantly."""
         self.batch_invariant = True
+
+    def write_new_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+        """Store the step's new keys/values at their slots (backends with a kernel for it override)."""
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward_variant(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedBatch,  # the step's (not as_decodes'd)
+        scale: float,
+        variant: AttentionVariant,
+    ) -> torch.Tensor:
+        """``forward`` for a layer with an attention variant (soft-cap, sinks, a window that bites):
+        this backend's own KV write, then ``variant_attention`` over the cache (backends/variant.py),
+        or its block-at-a-time form under ``--deterministic``. Every backend honours the variants
+        this way; their fast kernels stay for plain layers."""
+        self.write_new_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+        if not self.batch_invariant:
+            return variant_attention(query, k_cache, v_cache, batch, scale, variant)
+        cached = self._as_decodes
+        if cached is None or cached[0] is not batch:
+            decodes = as_decodes(batch)
+            width = -(-max(decodes.seq_lens_cpu, default=1) // decodes.block_size)
+            cached = self._as_decodes = (batch, decodes.block_table[:, :width].long(), decodes.seq_lens.long())
+        return invariant_attention(query, k_cache, v_cache, cached[1], cached[2], scale, variant)
+
+    _as_decodes: tuple[PagedBatch, torch.Tensor, torch.Tensor] | None = None  # forward_variant's, per step
+
+    @property
+    def variant_layers(self) -> set[int]:
+        """Layers seen computing an attention variant that bites within max_model_len (the load-time
+        probe's forward fills it): their steps depend on host-side lengths, so no decode graphs."""
+        layers: set[int] | None = self.__dict__.get("_variant_layers")
+        if layers is None:
+            layers = self.__dict__["_variant_layers"] = set()
+        return layers
 
     @abstractmethod
     def prepare(self, batch: PagedBatch) -> Any:

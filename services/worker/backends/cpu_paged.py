@@ -94,6 +94,12 @@ class CpuPagedBackend(ReferenceBackend):
         """The decode kernel's ``bf16_dot`` for a cache of this dtype (bf16_decode_through_fma)."""
         return self.bf16_dot and not (self.bf16_decode_fma and cache_dtype == torch.bfloat16)
 
+    def write_new_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        self.kernel.write_kv(key if fp8 else key.to(k_cache.dtype), value if fp8 else value.to(v_cache.dtype),
+                             k_cache, v_cache, slot_mapping)
+
     def prepare(self, batch: PagedBatch) -> CpuPagedMetadata:  # type: ignore[override]
         if self.batch_invariant:  # every token through paged_decode, which sums a token's keys alike in any batch
             batch = as_decodes(batch)
@@ -139,8 +145,7 @@ class CpuPagedBackend(ReferenceBackend):
         # one C++ call where the reference's write_kv takes two index_copy_ and their views; a
         # float8 cache's rounding (as .to() rounds) happens in that call too
         fp8 = k_cache.dtype == torch.float8_e4m3fn
-        self.kernel.write_kv(key if fp8 else key.to(k_cache.dtype), value if fp8 else value.to(v_cache.dtype),
-                             k_cache, v_cache, metadata.chunks.slot_mapping)
+        self.write_new_kv(key, value, k_cache, v_cache, metadata.chunks.slot_mapping)
         nd = metadata.num_decodes
         # a float8 cache is read with the query in the model's dtype; paged_decode takes a
         # strided query (a view of the q/k/v product) as it is, copying only where it must

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, PagedBatch, as_decodes, register_backend
+from .base import AttentionBackend, PagedBatch, as_decodes, raw_bytes, register_backend, write_kv
+from .variant import invariant_attention
 
 
 @dataclass
@@ -64,62 +65,10 @@ class ReferenceMetadata:
     invariant: InvariantDecodes | None = None
 
 
-def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Each query token ([n, heads, head_dim]) over its own context (``seq_lens`` keys through its
-    ``block_table`` row), by an online softmax in float32 one cache block at a time, in order.
-
-    Every reduction has a fixed length (the head size for the scores, the block for the max,
-    the sum and the weighted values), and a block past a token's context adds exact zeros
-    (its scores are -inf, so its weights are 0 and the running max and sum stay as they are),
-    so a token's output is the same bits however many other tokens, of whatever contexts, are
-    computed with it."""
-    n, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    q = query.float().view(n, num_kv_heads, group, 1, head_dim)
-    m = torch.full((n, num_kv_heads, group), float("-inf"), device=query.device)
-    denom = torch.zeros((n, num_kv_heads, group), device=query.device)
-    acc = torch.zeros((n, num_kv_heads, group, head_dim), device=query.device)
-    offsets = torch.arange(block_size, device=query.device)
-    for j in range(block_table.shape[1]):
-        valid = (j * block_size + offsets).unsqueeze(0) < seq_lens.unsqueeze(1)  # [n, bs]
-        if not bool(valid.any()):
-            break
-        ids = block_table[:, j]
-        keys = _bytes(k_cache).index_select(0, ids).view(k_cache.dtype).float()  # [n, bs, kv, d]
-        vals = _bytes(v_cache).index_select(0, ids).view(v_cache.dtype).float()
-        keys = keys.permute(0, 2, 1, 3).unsqueeze(2)  # [n, kv, 1, bs, d]
-        vals = torch.where(valid[:, :, None, None], vals, 0.0).permute(0, 2, 1, 3).unsqueeze(2)
-        scores = (q * keys).sum(-1) * scale  # [n, kv, g, bs]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        m_new = torch.maximum(m, scores.amax(-1))
-        alpha = torch.exp(m - m_new)  # 0 on a token's first block, 1 past its context
-        p = torch.exp(scores - m_new.unsqueeze(-1))
-        denom = denom * alpha + p.sum(-1)
-        acc = acc * alpha.unsqueeze(-1) + (p.unsqueeze(-1) * vals).sum(-2)
-        m = m_new
-    return (acc / denom.unsqueeze(-1)).view(n, num_heads, head_dim).to(query.dtype)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A float8 tensor as its bytes (PyTorch's CPU index ops do not take float8)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Blocks ``block_ids`` ([..., nb]) of ``cache`` as [..., nb * bs, kv_heads, head_dim]."""
-    blocks = _bytes(cache).index_select(0, block_ids.reshape(-1)).view(cache.dtype)
+    blocks = raw_bytes(cache).index_select(0, block_ids.reshape(-1)).view(cache.dtype)
     return blocks.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
-
-
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' keys/values ([num_tokens, kv_heads, head_dim]) at their slots
-    (a float8 cache saturates at +-448, as PyTorch's conversion does)."""
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    _bytes(k_cache).view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, _bytes(key.to(k_cache.dtype)))
-    _bytes(v_cache).view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, _bytes(value.to(v_cache.dtype)))
 
 
 class ReferenceBackend(AttentionBackend):

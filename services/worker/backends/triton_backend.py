@@ -81,6 +81,10 @@ class TritonBackend(AttentionBackend):
         super().make_batch_invariant()
         self.fixed_num_splits = 1
 
+    def write_new_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
     def prepare(self, batch: PagedBatch) -> TritonMetadata:
         if self.batch_invariant:
             batch = as_decodes(batch)

@@ -248,6 +248,9 @@ def graphs_wanted(device: torch.device, enforce_eager: bool, backend: object) ->
         return "--enforce-eager"
     if not getattr(backend, "supports_cuda_graphs", False):
         return f"attention backend {getattr(backend, 'name', '?')!r} cannot be captured"
+    layers = sorted(getattr(backend, "variant_layers", ()))
+    if layers:
+        return f"the attention of layers {layers[:8]} has a variant (soft-cap, sinks, a sliding window) on host-side lengths"
     return ""
 
 
@@ -257,7 +260,7 @@ def decode_forward(body: torch.nn.Module, lm_head: torch.nn.Module, backend: obj
     from ..model.attention import StepAttention
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        step = StepAttention(backend, backend.prepare(batch), kv_caches, max_model_len)  # type: ignore[attr-defined, arg-type]
+        step = StepAttention(backend, backend.prepare(batch), kv_caches, max_model_len, batch)  # type: ignore[attr-defined, arg-type]
         with torch.inference_mode():
             hidden = body(input_ids=input_ids, position_ids=positions, use_cache=False,
                           ferry_meta=step).last_hidden_state

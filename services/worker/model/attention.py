@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ..backends import AttentionBackend
+from ..backends import AttentionBackend, PagedBatch
+from ..backends.variant import AttentionVariant
 
 ATTN_IMPLEMENTATION = "ferry_paged"
 
@@ -30,19 +31,18 @@ ATTN_IMPLEMENTATION = "ferry_paged"
 # ferry's backends do not implement: a model that passes one with a value is refused at load
 # (model/probe.py runs one forward there), never served without it.
 UNSUPPORTED_KEYWORDS = {
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "alibi": "ALiBi position biases",
     "position_bias": "relative position biases",
     "head_mask": "a head mask",
 }
-# Keywords that carry nothing for ferry's paged attention (or that it honours: ferry_meta, and
-# sliding_window below); any other keyword with a value is refused the same way.
+# Keywords that make an attention variant, which every backend honours (backends/variant.py).
+VARIANT_KEYWORDS = frozenset({"softcap", "s_aux", "sinks", "sliding_window"})
+# Keywords that carry nothing for ferry's paged attention (or that it honours: ferry_meta and
+# the variants); any other keyword with a value is refused the same way.
 IGNORED_KEYWORDS = frozenset({
-    "ferry_meta", "sliding_window", "position_ids", "cache_position", "use_cache", "past_key_values",
+    "ferry_meta", "position_ids", "cache_position", "use_cache", "past_key_values",
     "past_key_value", "output_attentions", "is_causal", "position_embeddings", "layer_idx",
-})
+}) | VARIANT_KEYWORDS
 
 
 class UnsupportedAttention(NotImplementedError):
@@ -64,6 +64,22 @@ def check_keywords(kwargs: dict[str, Any]) -> None:
                                    "does not know")
 
 
+def attention_variant(kwargs: dict[str, Any], num_heads: int) -> AttentionVariant | None:
+    """The variant transformers' keywords ask for (None: plain causal attention)."""
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    window = kwargs.get("sliding_window")
+    if softcap is None and sinks is None and window is None:
+        return None
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != num_heads):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise UnsupportedAttention(f"its attention sinks ({shape}) are not one per query head ({num_heads})")
+    return AttentionVariant(softcap=float(softcap) if softcap is not None else None, sinks=sinks,
+                            window=int(window) if window is not None else None)
+
+
 @dataclass(frozen=True)
 class StepAttention:
     """What every layer's attention needs for one step, built once per step."""
@@ -72,6 +88,7 @@ class StepAttention:
     metadata: Any  # backend.prepare(paged_batch)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, bs, kv_heads, head_dim] x2
     max_model_len: int  # no sequence is longer; a sliding window at least this wide changes nothing
+    batch: PagedBatch  # the step, for the layers with an attention variant (backends/variant.py)
 
 
 def paged_attention(
@@ -91,16 +108,21 @@ def paged_attention(
     if dropout:
         raise UnsupportedAttention(f"its attention uses dropout in inference ({dropout})")
     check_keywords(kwargs)
-    window = kwargs.get("sliding_window")
-    if window is not None and not 0 < step.max_model_len <= window:
-        # The runner caps max_model_len at the window, so every key is always inside it.
-        raise NotImplementedError(
-            f"a sliding window of {window} tokens narrower than max_model_len {step.max_model_len} "
-            "is not supported by ferry_paged"
-        )
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     k_cache, v_cache = step.kv_caches[layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    variant = attention_variant(kwargs, query.shape[1])
+    if variant is not None:
+        if not variant.plain_for(step.max_model_len):
+            step.backend.variant_layers.add(layer_idx)  # decode graphs stay off (cuda/graphs.py)
+            if query.is_cuda and torch.cuda.is_current_stream_capturing():
+                # a graph would replay this step's plain kernels at any length: never capture it
+                raise UnsupportedAttention(f"layer {layer_idx}'s attention variant cannot be captured in a graph")
+        if not variant.plain_for(step.batch.max_seq_len):
+            out = step.backend.forward_variant(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                               value[0].transpose(0, 1), k_cache, v_cache, step.batch, scale,
+                                               variant)
+            return out.unsqueeze(0), None
     out = step.backend.forward(
         layer_idx,
         query[0].transpose(0, 1),  # [num_tokens, heads, head_dim]

@@ -58,6 +58,16 @@ class _Counting(AttentionBackend):
         self.calls[layer_idx] += 1
         return self.inner.forward(layer_idx, query, key, value, k_cache, v_cache, metadata, scale)
 
+    def forward_variant(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch, scale: float,
+                        variant: Any) -> torch.Tensor:
+        self.calls[layer_idx] += 1
+        return self.inner.forward_variant(layer_idx, query, key, value, k_cache, v_cache, batch, scale, variant)
+
+    @property
+    def variant_layers(self) -> set[int]:
+        return self.inner.variant_layers
+
 
 def scratch_prompt(backend: AttentionBackend, n: int, kv_config: dict[str, Any], kv_dtype: torch.dtype,
                    block_size: int, max_model_len: int, device: torch.device,
@@ -67,7 +77,7 @@ def scratch_prompt(backend: AttentionBackend, n: int, kv_config: dict[str, Any],
     blocks = -(-n // block_size)
     scratch = KVCache.allocate(kv_config, blocks, block_size, kv_dtype, str(device))
     batch, positions = build_paged_batch([n], [n], [list(range(blocks))], block_size, max_model_len, device)
-    step = StepAttention(backend, backend.prepare(batch), scratch.caches, max_model_len)
+    step = StepAttention(backend, backend.prepare(batch), scratch.caches, max_model_len, batch)
     return step, torch.from_numpy(positions).to(device).unsqueeze(0), scratch
 
 

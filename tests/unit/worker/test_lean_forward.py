@@ -105,8 +105,8 @@ def _check_steps(body: torch.nn.Module, lean: LeanDecoder, config, backend_name:
         meta = backend.prepare(batch)
         with torch.inference_mode():
             want = body(input_ids=ids, position_ids=pos, use_cache=False,
-                        ferry_meta=StepAttention(backend, meta, caches["model"].caches, 256)).last_hidden_state
-            got = lean(ids, pos, StepAttention(backend, meta, caches["lean"].caches, 256))
+                        ferry_meta=StepAttention(backend, meta, caches["model"].caches, 256, batch)).last_hidden_state
+            got = lean(ids, pos, StepAttention(backend, meta, caches["lean"].caches, 256, batch))
         assert got.shape == want.shape == (1, sum(query_lens), config.hidden_size)
         assert got.dtype == dtype
         assert torch.equal(got, want)
@@ -213,8 +213,8 @@ def _steps_in_one_call_equal_the_loop(one_call: LeanDecoder, loop: LeanDecoder, 
         meta = backend.prepare(batch)
         before = one_call.kernels.calls
         with torch.inference_mode():
-            want = loop(ids, pos, StepAttention(backend, meta, caches["loop"].caches, 256))
-            got = one_call(ids, pos, StepAttention(backend, meta, caches["one"].caches, 256))
+            want = loop(ids, pos, StepAttention(backend, meta, caches["loop"].caches, 256, batch))
+            got = one_call(ids, pos, StepAttention(backend, meta, caches["one"].caches, 256, batch))
         decodes_only = all(q == 1 for q in query_lens)
         assert one_call.kernels.calls == before + decodes_only
         assert got.shape == want.shape and got.dtype == BF16

@@ -15,12 +15,13 @@ from services.worker.model.output_head import OutputHead, with_output_transform
 
 
 def test_keywords_that_change_attention_are_refused_by_name() -> None:
+    # the variants are honoured (backends/variant.py): soft-caps, sinks, windows pass
     check_keywords({"ferry_meta": object(), "sliding_window": 4096, "position_ids": torch.zeros(1),
-                    "softcap": None, "s_aux": None, "output_attentions": False})
-    with pytest.raises(UnsupportedAttention, match=r"attention logit soft-capping \(softcap=50.0\)"):
-        check_keywords({"softcap": 50.0})
-    with pytest.raises(UnsupportedAttention, match="attention sinks"):
-        check_keywords({"s_aux": torch.zeros(4)})
+                    "softcap": 50.0, "s_aux": torch.zeros(4), "sinks": torch.zeros(4), "output_attentions": False})
+    with pytest.raises(UnsupportedAttention, match=r"ALiBi position biases \(alibi=Tensor\)"):
+        check_keywords({"alibi": torch.zeros(4)})
+    with pytest.raises(UnsupportedAttention, match=r"a head mask \(head_mask=Tensor\)"):
+        check_keywords({"head_mask": torch.ones(4)})
     with pytest.raises(UnsupportedAttention, match="takes the keyword rope_bias=Tensor, which ferry does not know"):
         check_keywords({"rope_bias": torch.zeros(2)})
 

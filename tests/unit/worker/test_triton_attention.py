@@ -149,3 +149,22 @@ def test_registered_for_cuda_and_picked_by_auto() -> None:
     batch = dataclasses.replace(make_case([(3, 1)], 1, 1, 64, 16).batch, block_size=8)
     with pytest.raises(ValueError, match="block_size >= 16"):
         TritonBackend(CPU).prepare(batch)
+
+
+def test_attention_variants_take_the_triton_kv_write_then_the_variant_path() -> None:
+    """A layer with a variant (soft-cap, sinks, a window that bites): the Triton KV-write kernel,
+    then backends/variant.py, equal to the reference backend's variant path on the same case."""
+    from services.worker.backends.variant import AttentionVariant
+
+    variant = AttentionVariant(softcap=3.0, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), window=10)
+    reqs = [(40, 1), (3, 1), (16, 9), (0, 20)]
+    ours = make_case(reqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=9)
+    theirs = make_case(reqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=9)
+    got = TritonBackend(CPU).forward_variant(0, ours.query, ours.key, ours.value, ours.k_cache, ours.v_cache,
+                                             ours.batch, ours.scale, variant)
+    want = backends.select_backend("reference", CPU).forward_variant(
+        0, theirs.query, theirs.key, theirs.value, theirs.k_cache, theirs.v_cache, theirs.batch, theirs.scale, variant)
+    assert torch.equal(ours.k_cache, theirs.k_cache) and torch.equal(ours.v_cache, theirs.v_cache)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    plain, _, _ = reference_attention(make_case(reqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=9))
+    assert not torch.allclose(got, plain, atol=1e-3)  # the variant changed the answer
