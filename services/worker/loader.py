@@ -26,6 +26,7 @@ from shared import capacity
 from shared.models import ModelSource, converted_root, resolve_model, tokenizer_dir, write_atomically
 
 from .model.attention import ATTN_IMPLEMENTATION, ModelRefused, register_paged_attention
+from .model.checkpoint_quant import CheckpointScheme, attach_int8, load_kwargs, read_scheme
 
 log = logging.getLogger("ferry.worker.loader")
 
@@ -40,6 +41,7 @@ class LoadedModel:
     model_dir: Path  # the folder the weights came from
     dtype: torch.dtype
     load_s: float
+    checkpoint_scheme: CheckpointScheme | None = None  # a quantized checkpoint's (model/checkpoint_quant.py)
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -104,11 +106,19 @@ def load_model(
         raise ValueError("--quantization int8 runs on the CPU only (PyTorch's int8 matmul, torch._int_mm)")
     register_paged_attention()
     hf_config = AutoConfig.from_pretrained(folder)
+    scheme = None
+    extra: dict[str, Any] = {}
     if getattr(hf_config, "quantization_config", None) is not None:
-        raise ValueError(f"{name}: quantized checkpoints are not supported (only plain safetensors or GGUF)")
+        arch = ",".join(getattr(hf_config, "architectures", None) or [type(hf_config).__name__])
+        scheme = read_scheme(arch, hf_config.quantization_config)
+        if quantization != "none":
+            raise ValueError(f"{name}: --quantization {quantization} on a checkpoint already quantized "
+                             f"({scheme.name}): leave it out")
+        extra = load_kwargs(scheme)
+        log.info("quantized checkpoint: %s", scheme.name)
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=None
+            folder, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=None, **extra
         )
     except (KeyError, ValueError) as exc:
         if ATTN_IMPLEMENTATION not in str(exc):
@@ -121,6 +131,9 @@ def load_model(
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    # --quantization int8 is applied by the runner, after it fuses q/k/v and gate/up (quantize.py)
+    # --quantization int8 is applied by the runner, after it fuses q/k/v and gate/up (quantize.py);
+    # so are a W8A8 checkpoint's int8 layers, from the integers given to its layers here
+    if scheme is not None and scheme.int8_layers and device.startswith("cpu"):
+        log.info("W8A8 int8: %d layers take the checkpoint's integers", attach_int8(model, folder))
     config_dict = hf_config.to_dict()
-    return LoadedModel(model, model.config, config_dict, folder, torch_dtype, time.monotonic() - t0)
+    return LoadedModel(model, model.config, config_dict, folder, torch_dtype, time.monotonic() - t0, scheme)

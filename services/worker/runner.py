@@ -106,7 +106,12 @@ class ModelRunner:
         self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.kv_dtype, config.device)
         self.kv_cache_bytes = self.kv.nbytes
         # CPU: fused and packed linears, int8, the tied head and the lean forward (model/prepare.py)
-        prepared = prepare_cpu_weights(self.model, self.dtype, self.device, quantization=config.quantization,
+        # a W8A8 int8 checkpoint's layers on ferry's int8 path (model/checkpoint_quant.py): CPU, one rank
+        scheme = loaded.checkpoint_scheme
+        self.checkpoint_int8 = (scheme is not None and scheme.int8_layers and self.device.type == "cpu"
+                                and self.tp is None)
+        quantization = "checkpoint-int8" if self.checkpoint_int8 else config.quantization
+        prepared = prepare_cpu_weights(self.model, self.dtype, self.device, quantization=quantization,
                                        vocab_size=self.vocab_size, max_num_seqs=config.max_num_seqs,
                                        tensor_parallel=self.tp is not None, batch_invariant=config.deterministic)
         self.lm_head, self.lean = prepared.lm_head, prepared.lean
@@ -122,8 +127,8 @@ class ModelRunner:
         if self.tp is None:
             check_model(self.model, self._step_forward, self.lm_head, self.attn_backend, kv_config, self.kv_dtype,
                         self.block_size, self.max_model_len, self.device, self.dtype,
-                        quantized=config.quantization != "none" or self.kv_dtype == FP8)
-        if config.quantization == "int8":
+                        quantized=quantization != "none" or self.kv_dtype == FP8)
+        if quantization != "none":
             self.weight_bytes = _weight_bytes(self.model)
         self.batch = BatchState(self.block_size)
         # CPU: greedy rows' argmax and random rows' draws through the compiled kernels (sampler.py)

@@ -309,6 +309,10 @@ def fuse_projections(module: nn.Module, dtype: torch.dtype, device: torch.device
                 joined.weight.copy_(torch.cat([m.weight for m in layers]))
                 if first.bias is not None:
                     joined.bias.copy_(torch.cat([m.bias for m in layers]))
+            stored = [getattr(m, "checkpoint_int8", None) for m in layers]
+            if all(x is not None for x in stored):  # a W8A8 checkpoint's rows and scales, joined alike
+                joined.checkpoint_int8 = (torch.cat([x[0] for x in stored]),  # type: ignore[assignment, index]
+                                          torch.cat([x[1] for x in stored]))  # type: ignore[index]
             try:
                 inner: nn.Module = PackedLinear(joined) if make is None else make(joined, first)
             except RuntimeError as exc:

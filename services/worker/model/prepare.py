@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .batch_invariant import make_linears_batch_invariant
+from .checkpoint_quant import apply_checkpoint_int8, checkpoint_int8_runs
 from .fused_ops import fuse_elementwise
 from .fused_ops import kernels as fused_kernels
 from .lean_forward import LeanDecoder
@@ -59,6 +60,12 @@ def prepare_cpu_weights(model: nn.Module, dtype: torch.dtype, device: torch.devi
         fused, quantized = apply_int8(model, body, vocab_size, ops)
         log.info("int8: %d linear layers quantized (W8A8, per-token activations, SmoothQuant; %s)",
                  quantized, "CPU kernels" if ops is not None else "PyTorch ops")
+        packed = 0
+    elif quantization == "checkpoint-int8" and checkpoint_int8_runs():
+        # a W8A8 int8 checkpoint: its own integers and scales (checkpoint_quant.py)
+        fused, quantized = apply_checkpoint_int8(body, dtype, device)
+        log.info("W8A8 int8 checkpoint: %d linear layers on ferry's int8 path (its integers, per-token activations)",
+                 quantized)
         packed = 0
     else:
         fused = fuse_projections(body, dtype, device)

@@ -84,18 +84,27 @@ class Int8Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, kernels: ops.CpuKernels | None = None, input_absmax: torch.Tensor | None = None,
-                 alpha: float = SMOOTH_ALPHA, onednn: bool | None = None) -> None:
-        """``onednn``: the products on oneDNN's prepacked kernel (None: where ``onednn_int8()``)."""
+                 alpha: float = SMOOTH_ALPHA, onednn: bool | None = None,
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``onednn``: the products on oneDNN's prepacked kernel (None: where ``onednn_int8()``).
+        ``stored``: a W8A8 checkpoint's own (int8 [out, in], scale [out]) (checkpoint_quant.py),
+        taken as they are instead of quantizing ``linear``'s weight."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()
         inv_smooth = None
-        if input_absmax is not None:
-            s = (input_absmax.float().clamp(min=1e-5) ** alpha / weight.abs().amax(dim=0).clamp(min=1e-5) ** (1 - alpha))
-            s = s.clamp(min=1e-5)
-            weight = weight * s
-            inv_smooth = (1 / s).contiguous()
-        qweight, scale = quantize_weight(weight, int8_weight_max())
+        if stored is not None:
+            qweight, scale = stored[0].to(torch.int8).contiguous(), stored[1].float().reshape(-1).contiguous()
+            if tuple(qweight.shape) != (self.out_features, self.in_features) or scale.numel() != self.out_features:
+                raise ValueError(f"stored int8 weight {tuple(qweight.shape)} / {scale.numel()} scales do not fit "
+                                 f"a {self.in_features} -> {self.out_features} layer")
+        else:
+            weight = linear.weight.detach().float()
+            if input_absmax is not None:
+                s = (input_absmax.float().clamp(min=1e-5) ** alpha / weight.abs().amax(dim=0).clamp(min=1e-5) ** (1 - alpha))
+                s = s.clamp(min=1e-5)
+                weight = weight * s
+                inv_smooth = (1 / s).contiguous()
+            qweight, scale = quantize_weight(weight, int8_weight_max())
         # oneDNN's prepacked int8 product where this torch has it (onednn_int8()): the buffer is
         # then oneDNN's own layout of the same bytes (an opaque tensor), and its results are the
         # same integers as torch._int_mm's, as float32. Else [out, in]: torch._int_mm reads its
