@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .paged import PagedBatch, raw_bytes
 
@@ -161,16 +162,24 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, allowed: to
     """q [n, H, Q, D] over keys/vals [n, L, KV, D]; ``allowed`` [n, Q, L] (True: attend).
 
     As transformers' eager attention: scores, soft-cap, mask, softmax over the scores and the
-    sink, the weighted values; in float32, the result in the query's dtype. Disallowed keys'
-    values are zeroed, so whatever a block outside the context holds stays out of the sum."""
+    sink (in float32), the weighted values; the products in the query's dtype. Only the request's
+    own blocks are gathered (from its window's first block on); the slots of its last block past
+    the context hold finite leftovers (blocks are zeroed when the cache is made), which weigh 0."""
     n, num_heads, q_len, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     group = num_heads // num_kv_heads
-    qf = q.float().view(n, num_kv_heads, group, q_len, head_dim)
-    kf = keys.float().permute(0, 2, 1, 3).unsqueeze(2)  # [n, KV, 1, L, D]
-    seen = allowed.any(1)  # [n, L]: a key some query here sees
-    vf = torch.where(seen[:, :, None, None], vals.float(), 0.0).permute(0, 2, 1, 3).unsqueeze(2)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [n, KV, G, Q, L]
+    dtype = q.dtype  # the products in the model's dtype, the softmax in float32, as eager attention
+    if variant.softcap is None and variant.sinks is None:
+        # a window alone: PyTorch's fused attention with the mask (0.66x the time of the steps below for
+        # 64 decodes, 0.30x for ten 200-token prompts; docs/worker.md, "Attention variants")
+        return F.scaled_dot_product_attention(q, keys.to(dtype).transpose(1, 2), vals.to(dtype).transpose(1, 2),
+                                              attn_mask=allowed.unsqueeze(1), scale=scale, enable_gqa=group > 1)
+    # a KV head's query heads and queries as the rows of one product (no broadcast over the group:
+    # a broadcast batched matmul of one-row products ran 4x slower)
+    qf = q.reshape(n, num_kv_heads, group * q_len, head_dim)
+    kf = keys.to(dtype).permute(0, 2, 3, 1)  # [n, KV, D, L]
+    vf = vals.to(dtype).permute(0, 2, 1, 3)  # [n, KV, L, D]
+    scores = torch.matmul(qf, kf).float().mul_(scale).view(n, num_kv_heads, group, q_len, -1)
     if variant.softcap is not None:
         scores = torch.tanh(scores / variant.softcap) * variant.softcap
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
@@ -179,8 +188,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, allowed: to
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vf)  # [n, KV, G, Q, D]
-    return out.view(n, num_heads, q_len, head_dim).to(q.dtype)
+    out = torch.matmul(probs.to(dtype).reshape(n, num_kv_heads, group * q_len, -1), vf)  # [n, KV, G*Q, D]
+    return out.view(n, num_heads, q_len, head_dim)
 
 
 def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
