@@ -154,6 +154,11 @@ CPU_PACKED_LINEAR = _declare(
     "FERRY_CPU_PACKED_LINEAR", "1", "1, 0",
     "Linear weights packed for oneDNN, q/k/v and gate/up fused (bfloat16, float32); 0: plain `F.linear`.",
     on_unless_off)
+CPU_PACKED_EXPERTS = _declare(
+    "FERRY_CPU_PACKED_EXPERTS", "1", "1, 0",
+    "Mixture-of-experts layers: each expert's products on packed weights, tokens grouped per expert "
+    "(with FERRY_CPU_PACKED_LINEAR); 0: transformers' experts module.",
+    on_unless_off)
 CPU_FUSED_OPS = _declare(
     "FERRY_CPU_FUSED_OPS", "1", "1, 0",
     "Norms, RoPE and the MLP activation as fused C++ ops; 0: transformers' own modules (and no lean forward).",

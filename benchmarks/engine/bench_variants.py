@@ -1,15 +1,12 @@
 """What an attention variant costs on the CPU: backends/variant.py against cpu_paged's kernels.
 
     python -m benchmarks.engine.bench_variants --threads 2 --out results/variants.json
-    python -m benchmarks.engine.bench_variants --build-models /tmp/ferry-variant-models
 
-The first form times one step's attention for 30 layers of SmolLM2's shape (9 query heads over
+It times one step's attention for 30 layers of SmolLM2's shape (9 query heads over
 3 KV heads of 64, bfloat16, block size 16): 64 decodes with contexts of 230-293 tokens, and ten
 fresh 200-token prompts, through cpu_paged (plain attention) and through the variant path with a
-window of 128 keys, a soft-cap of 50, and sinks. The second writes two random Mistral-shaped
-models with SmolLM2's dimensions, windows of 128 and 4,096 keys, for ``bench_offline --model``:
-on the common load (200-token prompts, 64 new tokens) the first's window bites at every step,
-the second's never does.
+window of 128 keys, a soft-cap of 50, and sinks. End to end: ``build_models DIR mistral-w128
+mistral-w4096`` and ``bench_offline --model DIR/mistral-wN`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -82,24 +79,11 @@ def _row(c: dict[str, Any], variants: dict[str, AttentionVariant]) -> dict[str, 
     return row
 
 
-def build_models(folder: Path) -> None:
-    from tests.device.common import SMOLLM2_135M, build_model_folder
-
-    for window in (128, 4096):
-        path = build_model_folder(folder / f"mistral-w{window}",
-                                  dict(SMOLLM2_135M, model_type="mistral", sliding_window=window))
-        print(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/variants.json")
-    p.add_argument("--build-models", default="", help="write the two Mistral-shaped model folders here, and stop")
     args = p.parse_args(argv)
-    if args.build_models:
-        build_models(Path(args.build_models))
-        return 0
     torch.set_num_threads(args.threads)
     report = {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "layers": LAYERS,
               "ms_per_step": timings()}

@@ -24,6 +24,7 @@ from .checkpoint_quant import apply_checkpoint_int8, checkpoint_int8_runs
 from .fused_ops import fuse_elementwise
 from .fused_ops import kernels as fused_kernels
 from .lean_forward import LeanDecoder
+from .moe import pack_experts
 from .packed_linear import PackedLinear, fuse_projections, pack_linears, share_tied_embedding
 from .quantize import apply_int8, int8_kernels
 
@@ -70,6 +71,9 @@ def prepare_cpu_weights(model: nn.Module, dtype: torch.dtype, device: torch.devi
     else:
         fused = fuse_projections(body, dtype, device)
         packed = pack_linears(body, dtype, device)
+        experts = pack_experts(body, dtype, device)
+        if experts:
+            log.info("%d mixture-of-experts layers: each expert's products on packed weights", experts)
     if fused:
         log.info("%d q/k/v and gate/up groups fused", fused)
     if not tensor_parallel:
