@@ -102,6 +102,16 @@ def plan_device(config: dict[str, Any], device: Device, opts: PlanOptions, throu
     typical = opts.prompt_len + opts.output_len
     at_typical = capacity.max_concurrency(blocks, typical, opts.block_size)
     at_max = capacity.max_concurrency(blocks, opts.max_model_len, opts.block_size)
+    # windowed layers keep only their window (the worker's hybrid KV cache, one rank)
+    hybrid = None if tp > 1 else capacity.hybrid_kv_blocks(
+        mem["kv_budget_bytes"], rank, kv_dtype, opts.block_size, max(1, opts.concurrency),
+        opts.max_num_batched_tokens, opts.max_model_len)
+    if hybrid is not None:
+        has_global = len(hybrid.window_layers) < capacity.kv_shape_from_config(rank)[0]
+        blocks = hybrid.num_full_blocks if has_global else hybrid.num_window_blocks
+        at_typical = capacity.hybrid_concurrency(hybrid, typical, opts.block_size, opts.max_num_batched_tokens, has_global)
+        at_max = capacity.hybrid_concurrency(hybrid, opts.max_model_len, opts.block_size, opts.max_num_batched_tokens,
+                                             has_global)
     needed = opts.concurrency * capacity.blocks_for_tokens(opts.max_model_len, opts.block_size) * block_bytes
     weights_fit = mem["kv_budget_raw"] > 0
     batch = min(opts.concurrency, at_typical)
@@ -119,6 +129,9 @@ def plan_device(config: dict[str, Any], device: Device, opts: PlanOptions, throu
         "typical_len": typical, "max_model_len": opts.max_model_len,
         "max_concurrency_at_typical": at_typical, "max_concurrency_at_max_model_len": at_max,
         "concurrency": opts.concurrency, "weights_fit": weights_fit,
+        "hybrid_kv": None if hybrid is None else {
+            "window": hybrid.window, "window_layers": len(hybrid.window_layers),
+            "global_blocks": hybrid.num_full_blocks, "window_blocks": hybrid.num_window_blocks},
         "fits": weights_fit and at_max >= opts.concurrency,
         "fits_at_typical": weights_fit and at_typical >= opts.concurrency,
         "headroom_bytes": mem["kv_budget_raw"] - needed,

@@ -21,6 +21,7 @@ the budget is identical.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +205,84 @@ def kv_block_bytes(config: Mapping[str, Any], kv_dtype: str, block_size: int) ->
 def num_kv_blocks(kv_budget_bytes: int, config: Mapping[str, Any], kv_dtype: str, block_size: int) -> int:
     """How many KV blocks of ``block_size`` tokens fit in ``kv_budget_bytes``."""
     return max(0, int(kv_budget_bytes) // kv_block_bytes(config, kv_dtype, block_size))
+
+
+def window_layers(config: Mapping[str, Any]) -> tuple[int, tuple[int, ...]]:
+    """(window, the layers that attend through it) from an HF config dict; (0, ()) when none.
+
+    ``layer_types`` names each layer ("sliding_attention" / "full_attention": Gemma 2/3,
+    Cohere 2, gpt-oss, Qwen2 with windows); without it a ``sliding_window`` is every layer's
+    (Mistral). Qwen2-style ``use_sliding_window: false`` turns it off."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or config.get("use_sliding_window") is False:
+        return 0, ()
+    num_layers = kv_shape_from_config(config)[0]
+    types = config.get("layer_types")
+    if isinstance(types, list | tuple) and len(types) == num_layers:
+        return window, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return window, tuple(range(num_layers))
+
+
+def window_blocks_per_sequence(window: int, block_size: int) -> int:
+    """Blocks a windowed layer keeps for one sequence between steps: its last ``window`` keys
+    and the next token's slot (positions p - window + 1 .. p + 1) span at most this many."""
+    return -(-window // block_size) + 1
+
+
+@dataclass(frozen=True)
+class HybridKV:
+    """A KV cache split by layer kind: global layers keep every block of a sequence, windowed
+    layers only the blocks their window still reaches (scheduler/ledger.py's WindowLedger)."""
+
+    window: int
+    window_layers: tuple[int, ...]
+    num_full_blocks: int  # the global layers' pool (no memory behind it when every layer is windowed)
+    num_window_blocks: int  # the windowed layers' pool
+
+
+def hybrid_kv_blocks(kv_budget_bytes: int, config: Mapping[str, Any], kv_dtype: str, block_size: int,
+                     max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> HybridKV | None:
+    """How a KV budget splits between global and windowed layers (None: not a windowed model, or a
+    window as wide as ``max_model_len``, where every layer keeps every block).
+
+    The split is the one where sequences of ``max_model_len`` tokens run out of both pools
+    together: per such sequence the windowed layers keep ``window_blocks_per_sequence`` blocks
+    where the global layers keep all of its blocks; on top the windowed pool holds one step's
+    new tokens (a prompt chunk's queries reach back a window from their first token), and it is
+    never larger than the global pool (a windowed layer never needs more blocks than a global
+    one). Shorter sequences may fill the windowed pool first (preemption then frees both).
+    With every layer windowed (Mistral) the whole budget is the windowed pool, and the global
+    pool only counts sequences' lengths: ``max_num_seqs`` sequences of ``max_model_len``, no memory."""
+    window, layers = window_layers(config)
+    if not window or window >= max_model_len or not layers:
+        return None
+    num_layers = kv_shape_from_config(config)[0]
+    layer_block = kv_block_bytes(config, kv_dtype, block_size) // num_layers
+    budget_blocks = int(kv_budget_bytes) // layer_block  # one layer's block each
+    full_layers, window_layers_n = num_layers - len(layers), len(layers)
+    per_seq_window = window_blocks_per_sequence(window, block_size)
+    per_seq_full = blocks_for_tokens(max_model_len, block_size)
+    step_blocks = blocks_for_tokens(max_num_batched_tokens, block_size)
+    if full_layers == 0:
+        return HybridKV(window, layers, max_num_seqs * per_seq_full, max(0, budget_blocks // window_layers_n))
+    ratio = per_seq_window / per_seq_full
+    num_full = int((budget_blocks - step_blocks * window_layers_n) / (full_layers + window_layers_n * ratio))
+    num_full = max(0, num_full)
+    num_window = min(num_full, math.ceil(num_full * ratio) + step_blocks)
+    num_full = max(0, (budget_blocks - num_window * window_layers_n) // full_layers)  # what the windows leave
+    return HybridKV(window, layers, num_full, num_window)
+
+
+def hybrid_concurrency(h: HybridKV, num_tokens: int, block_size: int, max_num_batched_tokens: int,
+                       has_global_layers: bool) -> int:
+    """Sequences of ``num_tokens`` that a hybrid cache holds at once: each keeps all of its blocks
+    in the global pool and at most ``window_blocks_per_sequence`` in the windowed one, which also
+    keeps one step's new tokens."""
+    per_window = min(blocks_for_tokens(num_tokens, block_size), window_blocks_per_sequence(h.window, block_size))
+    windows = max(0, h.num_window_blocks - blocks_for_tokens(max_num_batched_tokens, block_size)) // max(1, per_window)
+    if not has_global_layers:
+        return windows
+    return min(windows, max_concurrency(h.num_full_blocks, num_tokens, block_size))
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

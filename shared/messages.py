@@ -231,6 +231,9 @@ class NewRequestData(msgspec.Struct, frozen=True, omit_defaults=True):
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit (or 0 after preemption)
     output_token_ids: list[int] = []  # tokens generated before a preemption
+    # a hybrid KV cache (shared.capacity.HybridKV): the windowed layers' block table, by position
+    # like block_ids (-1: a block its window has left behind, released)
+    window_block_ids: list[int] = []
 
 
 class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
@@ -239,6 +242,7 @@ class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_window_block_ids: list[int] = []  # a hybrid KV cache: the windowed layers' new blocks
 
 
 class StepPlan(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
@@ -284,6 +288,9 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     device: str = ""
     num_threads: int = 0  # torch intra-op threads
     tensor_parallel_size: int = 1  # >1: the ranks are shards that fail and restart as one group
+    # a hybrid KV cache (shared.capacity.HybridKV): num_kv_blocks is then the global layers' pool
+    window: int = 0
+    num_window_blocks: int = 0
 
 
 class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

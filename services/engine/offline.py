@@ -143,7 +143,10 @@ class LLM:
         # the KV block count is the smallest any rank has (as the scheduler service does)
         self.num_kv_blocks = min([self.runner.num_kv_blocks] + [n for n, _ in others])
         max_model_len = min([self.runner.max_model_len] + [m for _, m in others])
-        self.scheduler = Scheduler(self.scheduler_config, self.num_kv_blocks, max_model_len)
+        hybrid = self.runner.hybrid_kv
+        self.scheduler = Scheduler(self.scheduler_config, self.num_kv_blocks, max_model_len,
+                                   window=hybrid.window if hybrid else 0,
+                                   num_window_blocks=hybrid.num_window_blocks if hybrid else 0)
 
     def close(self) -> None:
         """Stop the helper ranks and leave the tensor-parallel group (a no-op without one)."""

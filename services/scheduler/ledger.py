@@ -223,6 +223,14 @@ class BlockLedger:
                     self._evictable[block_id] = None
         return len(table)
 
+    def release_behind(self, req_id: str, first_position: int) -> int:
+        """A hybrid KV cache's hook (HybridLedger): every layer here keeps every block."""
+        return 0
+
+    def pressure(self) -> tuple[int, int]:
+        """(total, free) blocks of the pool nearest full: what EngineStats reports."""
+        return self.num_total_blocks, self.num_free_blocks
+
     # --------------------------------------------------------------- invariants
 
     def check_invariants(self) -> None:
@@ -257,3 +265,140 @@ class BlockLedger:
             assert self.block_hash[block_id] == h, f"index entry {h} -> {block_id} disagrees with the block"
         num_hashed = sum(1 for h in self.block_hash if h is not None)
         assert num_hashed == len(self._index), f"{num_hashed} hashed blocks but {len(self._index)} index entries"
+
+
+RELEASED = -1  # a window table's entry for a block its window has left behind
+
+
+class WindowLedger:
+    """The windowed layers' pool of a hybrid KV cache (shared.capacity.HybridKV).
+
+    A request's window table is indexed by position like its global block table (entry i holds
+    positions [i * block_size, (i + 1) * block_size)), but a block whose positions every later
+    query's window has passed is released back to the pool (``release_behind``) and its entry
+    becomes ``RELEASED``: the windowed layers never read keys behind a query's window
+    (services/worker/backends/variant.py). No prefix caching: a windowed layer's block holds
+    a window's keys, not a prefix's."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_total_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.tables: dict[str, list[int]] = {}
+        self._released: dict[str, int] = {}  # leading entries released, per request
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_total_blocks
+
+    def need(self, req_id: str, num_tokens: int) -> int:
+        table = self.tables.get(req_id)
+        return max(0, -(-num_tokens // self.block_size) - (len(table) if table is not None else 0))
+
+    def allocate(self, req_id: str, num_tokens: int) -> list[int] | None:
+        """Grow the table to ``num_tokens`` positions: the new ids, or None (nothing changed)."""
+        n = self.need(req_id, num_tokens)
+        if n > len(self._free):
+            return None
+        table = self.tables.setdefault(req_id, [])
+        self._released.setdefault(req_id, 0)
+        new_ids = [self._free.pop() for _ in range(n)]
+        table.extend(new_ids)
+        return new_ids
+
+    def release_behind(self, req_id: str, first_needed: int) -> int:
+        """Release the blocks wholly before position ``first_needed`` (the first key the next
+        query's window reaches); returns how many were released."""
+        table = self.tables.get(req_id)
+        if table is None:
+            return 0
+        start = self._released[req_id]
+        end = min(len(table), max(0, first_needed) // self.block_size)  # block i ends at (i + 1) * bs <= first_needed
+        for i in range(start, end):
+            self._free.append(table[i])
+            table[i] = RELEASED
+        if end > start:
+            self._released[req_id] = end
+            return end - start
+        return 0
+
+    def free(self, req_id: str) -> None:
+        table = self.tables.pop(req_id, None)
+        released = self._released.pop(req_id, 0)
+        if table is not None:
+            self._free.extend(reversed(table[released:]))
+
+    def check_invariants(self) -> None:
+        held = [b for t in self.tables.values() for b in t if b != RELEASED]
+        assert len(held) == len(set(held)), "a window block is held twice"
+        assert not set(held) & set(self._free), "a window block is both held and free"
+        assert len(held) + len(self._free) == self.num_total_blocks, (
+            f"window blocks: held {len(held)} + free {len(self._free)} != {self.num_total_blocks}")
+        for req_id, table in self.tables.items():
+            released = self._released[req_id]
+            assert all(b == RELEASED for b in table[:released]), f"{req_id}: a released entry holds a block"
+            assert all(b != RELEASED for b in table[released:]), f"{req_id}: a live entry is released"
+
+
+class HybridLedger(BlockLedger):
+    """A hybrid KV cache's two pools behind ``BlockLedger``'s interface: this ledger's own tables
+    are the global layers' (the scheduler's accounting of a sequence's length), ``window`` the
+    windowed layers'. Each allocation takes from both or from neither; the windowed layers' new
+    blocks of a step wait in ``new_window_ids`` until the plan is built; prefix caching is off."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, num_window_blocks: int) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching=False)
+        self.window = window
+        self.windows = WindowLedger(num_window_blocks, block_size)
+        self.new_window_ids: dict[str, list[int]] = {}
+
+    @property
+    def usage(self) -> float:
+        return max(super().usage, self.windows.usage)
+
+    def can_allocate(self, req_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        return (super().can_allocate(req_id, num_tokens, computed_blocks)
+                and self.windows.need(req_id, num_tokens) <= self.windows.num_free_blocks)
+
+    def allocate(self, req_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> list[int] | None:
+        if not self.can_allocate(req_id, num_tokens, computed_blocks):
+            return None
+        new_ids = super().allocate(req_id, num_tokens, computed_blocks)
+        window_ids = self.windows.allocate(req_id, num_tokens)
+        assert new_ids is not None and window_ids is not None
+        self.new_window_ids.setdefault(req_id, []).extend(window_ids)
+        return new_ids
+
+    def release_behind(self, req_id: str, first_position: int) -> int:
+        """The next query of ``req_id`` is at ``first_position``: release the windowed layers'
+        blocks its window no longer reaches."""
+        return self.windows.release_behind(req_id, first_position - self.window + 1)
+
+    def pressure(self) -> tuple[int, int]:
+        if self.windows.usage > self.num_used_blocks / self.num_total_blocks:
+            return self.windows.num_total_blocks, self.windows.num_free_blocks
+        return self.num_total_blocks, self.num_free_blocks
+
+    def window_table(self, req_id: str) -> list[int]:
+        return self.windows.tables.get(req_id, [])
+
+    def take_new_window_ids(self, req_id: str) -> list[int]:
+        return self.new_window_ids.pop(req_id, [])
+
+    def free(self, req_id: str) -> int:
+        self.windows.free(req_id)
+        self.new_window_ids.pop(req_id, None)
+        return super().free(req_id)
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        self.windows.check_invariants()
+        assert set(self.windows.tables) == set(self.block_tables), "window tables and block tables name other requests"
+        for req_id, table in self.block_tables.items():
+            assert len(self.windows.tables[req_id]) == len(table), f"{req_id}: window table of another length"

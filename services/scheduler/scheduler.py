@@ -33,7 +33,7 @@ from shared.messages import (
 )
 
 from .admission import check_queue, check_request
-from .ledger import BlockLedger
+from .ledger import BlockLedger, HybridLedger
 from .poison import CrashSuspects
 from .queues import DeadlineHeap, make_waiting_queue
 from .request import Request, RequestStatus
@@ -52,7 +52,11 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         clock: Callable[[], float] = time.time,
+        window: int = 0,
+        num_window_blocks: int = 0,
     ) -> None:
+        """``window`` and ``num_window_blocks``: a hybrid KV cache (shared.capacity.HybridKV),
+        whose windowed layers keep only what their window reaches (ledger.py's HybridLedger)."""
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if max_model_len < 1:
@@ -61,7 +65,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.clock = clock
         self.block_size = config.block_size
-        self.ledger = BlockLedger(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.ledger: BlockLedger
+        if window and num_window_blocks:
+            if config.enable_prefix_caching:
+                logger.info("prefix caching off: the model's windowed layers keep only their window (hybrid KV cache)")
+            self.ledger = HybridLedger(num_kv_blocks, config.block_size, window, num_window_blocks)
+        else:
+            self.ledger = BlockLedger(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = make_waiting_queue(config.scheduling_policy)
         self.running: list[Request] = []  # admission order
@@ -77,6 +87,8 @@ class Scheduler:
         self.suspects = CrashSuspects(config.max_request_crashes)  # poison requests (poison.py)
         self._config_strs = {k: str(v) for k, v in _config_items(config)}
         self._config_strs.update(num_kv_blocks=str(num_kv_blocks), max_model_len=str(max_model_len))
+        if isinstance(self.ledger, HybridLedger):
+            self._config_strs.update(window=str(window), num_window_blocks=str(num_window_blocks))
 
     # ------------------------------------------------------------------ queries
 
@@ -181,7 +193,7 @@ class Scheduler:
         self._apply(decision)
         self._step_id += 1
         plan = build_plan(
-            decision, self._step_id, self.ledger.block_tables, self.requests,
+            decision, self._step_id, self.ledger, self.requests,
             self._finished_for_worker, self._preempted_for_worker,
         )
         self._finished_for_worker = []
@@ -396,7 +408,7 @@ class Scheduler:
         """A snapshot for gateways; clears the per-step samples since the previous call."""
         return build_stats(
             self.counters, self.clock(), self.running, self.waiting, len(self.waiting),
-            self.ledger.num_total_blocks, self.ledger.num_free_blocks, self._config_strs,
+            *self.ledger.pressure(), self._config_strs,
         )
 
     def check_invariants(self) -> None:

@@ -324,7 +324,11 @@ class SchedulerService:
         self.max_model_len = self._fit_max_model_len(num_kv_blocks)
         self.model = infos[0].model
         self.core_num_kv_blocks = num_kv_blocks
-        self.core = Scheduler(self.config, num_kv_blocks, self.max_model_len)
+        # a hybrid KV cache (every rank splits its budget by the same formula)
+        window = infos[0].window
+        num_window_blocks = min(i.num_window_blocks for i in infos) if window else 0
+        self.core = Scheduler(self.config, num_kv_blocks, self.max_model_len, window=window,
+                              num_window_blocks=num_window_blocks)
         # Start-up objects (modules, the core's structures) leave the GC's view, so full
         # collections walk only live request state; full collections are the source of
         # the step-time p99 (docs/benchmarks.md, "Scheduler step cost").
@@ -332,8 +336,9 @@ class SchedulerService:
         gc.freeze()
         self.next_stats = 0.0  # gateways learn the engine's numbers right away
         log.info(
-            "engine ready: %d KV blocks of %d tokens, max_model_len %d, %d request(s) queued during start-up",
+            "engine ready: %d KV blocks of %d tokens, max_model_len %d, %d request(s) queued during start-up%s",
             num_kv_blocks, self.config.block_size, self.max_model_len, len(self.pending),
+            f"; windowed layers: {num_window_blocks} blocks for windows of {window}" if num_window_blocks else "",
         )
         pending, self.pending = self.pending, []
         for req, _ in pending:

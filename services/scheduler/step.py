@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from shared.config import SchedulerConfig
 from shared.messages import CachedRequestData, NewRequestData, StepPlan
 
-from .ledger import BlockLedger
+from .ledger import BlockLedger, HybridLedger
 from .poison import CrashSuspects
 from .queues import WaitingQueue
 from .request import Request
@@ -132,6 +132,7 @@ class StepBuilder:
         running = self.running
         num_scheduled = self.num_scheduled
         new_block_ids = self.new_block_ids
+        ledger = self.ledger
         threshold = self.threshold
         budget = self.budget
         i = 0
@@ -152,6 +153,7 @@ class StepBuilder:
                 i += 1
                 continue
             end = computed + n
+            ledger.release_behind(req.req_id, computed)  # a hybrid cache: what no window reaches now
             if end <= req.num_token_slots:
                 blocks = []  # the common decode: room in its last block
             else:
@@ -288,12 +290,15 @@ class StepBuilder:
 def build_plan(
     decision: StepDecision,
     step_id: int,
-    block_tables: Mapping[str, Sequence[int]],
+    ledger: BlockLedger,
     requests: Mapping[str, Request],
     finished_ids: list[str],
     preempted_ids: list[str],
 ) -> StepPlan:
-    """The plan of an applied decision: differences only (reads, changes nothing)."""
+    """The plan of an applied decision: differences only (reads the ledger's tables; takes the
+    windowed layers' new blocks a hybrid ledger kept for it)."""
+    block_tables = ledger.block_tables
+    hybrid = ledger if isinstance(ledger, HybridLedger) else None
     dropped = {r.req_id for r in decision.preempted}
     new_requests: list[NewRequestData] = []
     resumed_requests: list[NewRequestData] = []
@@ -304,12 +309,16 @@ def build_plan(
         data = NewRequestData(
             req.req_id, req.prompt_token_ids, req.sampling, list(block_tables[req.req_id]),
             admission.num_computed_tokens, req.output_token_ids,
+            window_block_ids=list(hybrid.window_table(req.req_id)) if hybrid is not None else [],
         )
+        if hybrid is not None:
+            hybrid.take_new_window_ids(req.req_id)  # in the table just sent
         (resumed_requests if admission.resumed else new_requests).append(data)
     # The computed count the worker will hold when it runs this plan (after any plan
     # still in flight): it checks the count against its own state.
     cached_requests = [
-        CachedRequestData(req_id, blocks, (r := requests[req_id]).num_computed_tokens + r.num_ahead_tokens)
+        CachedRequestData(req_id, blocks, (r := requests[req_id]).num_computed_tokens + r.num_ahead_tokens,
+                          hybrid.take_new_window_ids(req_id) if hybrid is not None else [])
         for req_id, blocks in decision.new_block_ids.items()
     ]
     num_scheduled = decision.num_scheduled_tokens

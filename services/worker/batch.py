@@ -23,6 +23,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_counts: dict[int, int] = field(default_factory=dict)  # for frequency/presence penalties
+    window_block_ids: list[int] = field(default_factory=list)  # a hybrid KV cache's windowed layers (-1: released)
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +50,7 @@ class RequestState:
             block_ids=list(data.block_ids),
             num_computed_tokens=data.num_computed_tokens,
             output_counts=counts,
+            window_block_ids=list(data.window_block_ids),
         )
 
 
@@ -77,6 +79,7 @@ class BatchState:
             if state is None:
                 raise KeyError(f"step {plan.step_id}: cached request {cached.req_id!r} is unknown to this worker")
             state.block_ids.extend(cached.new_block_ids)
+            state.window_block_ids.extend(cached.new_window_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         for req_id, num in plan.num_scheduled_tokens.items():
             state = self.requests.get(req_id)

@@ -53,18 +53,21 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, config: Mapping[str, Any], num_blocks: int, block_size: int, dtype: torch.dtype, device: str
+        cls, config: Mapping[str, Any], num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
+        layer_blocks: list[int] | None = None,
     ) -> KVCache:
+        """``layer_blocks``: each layer's own block count (a hybrid cache: shared.capacity.HybridKV)."""
         num_layers, num_kv_heads, head_dim = kv_shape_from_config(config)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        counts = layer_blocks or [num_blocks] * num_layers
         # zeros, not empty: padded gathers read block 0 and masked garbage could be NaN.
         # Written in full here (committed at start-up): a lazily committed cache (calloc'ed
         # pages) took a page fault per 4 KiB on first write, which cost ~5 % of throughput
         # on the common load (docs/benchmarks.md, "Step buffers and page faults") for little resident
         # memory saved once the cache has cycled.
         caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
+            (torch.zeros((n, block_size, num_kv_heads, head_dim), dtype=dtype, device=device),
+             torch.zeros((n, block_size, num_kv_heads, head_dim), dtype=dtype, device=device))
+            for n in counts
         ]
         return cls(caches, num_blocks, block_size)
 

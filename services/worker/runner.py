@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.capacity import gpu_kv_budget_bytes
+from shared.capacity import gpu_kv_budget_bytes, hybrid_kv_blocks, kv_shape_from_config
 from shared.config import WorkerConfig
 from shared.grammar import load_tokenizer
 from shared.messages import StepPlan, StepResult
@@ -36,11 +36,11 @@ from .backends.build import build_paged_batch
 from .batch import BatchState, RequestState
 from .cuda.graphs import graph_batch_sizes, graph_memory_estimate, setup_decode_graphs
 from .cuda.staging import StepStaging
-from .kv_cache import FP8, KVCache, kv_cache_torch_dtype, num_blocks_for_budget
+from .kv_cache import FP8, KVCache, kv_cache_torch_dtype, kv_dtype_name, num_blocks_for_budget
 from .loader import load_model
 from .logits_processors import ConstraintTracker
 from .model import tensor_parallel
-from .model.attention import StepAttention
+from .model.attention import ModelRefused, StepAttention, WindowStep
 from .model.fused_ops import kernels as fused_kernels
 from .model.output_head import with_output_transform
 from .model.prepare import prepare_cpu_weights
@@ -100,10 +100,29 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype 'fp8' needs the CPU and its cpu_paged attention backend, not "
                              f"{self.device.type} / {self.attn_backend.name!r} (the CPU kernels: make kernels)")
         budget = self._kv_budget(kv_config)
-        self.num_kv_blocks = num_blocks_for_budget(budget, kv_config, self.kv_dtype, self.block_size)
+        # windowed layers keep only what their window reaches: their own, smaller pool (shared.capacity)
+        # (one rank only for now: the load-time probe, which checks the layers' windows, runs on one)
+        self.hybrid_kv = None if self.tp is not None else hybrid_kv_blocks(
+            budget, kv_config, kv_dtype_name(self.kv_dtype), self.block_size, config.max_num_seqs,
+            config.max_num_batched_tokens, self.max_model_len)
+        layer_blocks = None
+        if self.hybrid_kv is not None:
+            h = self.hybrid_kv
+            self.num_kv_blocks = h.num_full_blocks
+            if h.num_window_blocks < 1 or h.num_full_blocks < 1:
+                raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
+            num_layers = kv_shape_from_config(kv_config)[0]
+            layer_blocks = [h.num_window_blocks if i in h.window_layers else h.num_full_blocks
+                            for i in range(num_layers)]
+            log.info("hybrid KV cache: %d layers with windows of %d tokens in %d blocks, %d global layers in %d",
+                     len(h.window_layers), h.window, h.num_window_blocks, num_layers - len(h.window_layers),
+                     h.num_full_blocks)
+        else:
+            self.num_kv_blocks = num_blocks_for_budget(budget, kv_config, self.kv_dtype, self.block_size)
         if self.num_kv_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
-        self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.kv_dtype, config.device)
+        self.kv = KVCache.allocate(kv_config, self.num_kv_blocks, self.block_size, self.kv_dtype, config.device,
+                                   layer_blocks=layer_blocks)
         self.kv_cache_bytes = self.kv.nbytes
         # CPU: fused and packed linears, int8, the tied head and the lean forward (model/prepare.py)
         # a W8A8 int8 checkpoint's layers on ferry's int8 path (model/checkpoint_quant.py): CPU, one rank
@@ -128,6 +147,8 @@ class ModelRunner:
             check_model(self.model, self._step_forward, self.lm_head, self.attn_backend, kv_config, self.kv_dtype,
                         self.block_size, self.max_model_len, self.device, self.dtype,
                         quantized=quantization != "none" or self.kv_dtype == FP8)
+        if self.hybrid_kv is not None:
+            self._check_windows()
         if quantization != "none":
             self.weight_bytes = _weight_bytes(self.model)
         self.batch = BatchState(self.block_size)
@@ -148,6 +169,17 @@ class ModelRunner:
         self.graphs = setup_decode_graphs(self.device, config.enforce_eager, self.attn_backend, self.body,
                                           self.lm_head, self.kv.caches, config.max_num_seqs, self.max_model_len,
                                           self.block_size)
+
+    def _check_windows(self) -> None:
+        """The hybrid cache's windowed layers are the ones the probe saw attend through that window:
+        any other layer reading a windowed pool would read blocks released behind its window."""
+        assert self.hybrid_kv is not None
+        want = {i: self.hybrid_kv.window for i in self.hybrid_kv.window_layers}
+        seen = dict(self.attn_backend.layer_windows)
+        if seen != want:
+            arch = ",".join(getattr(self.hf_config, "architectures", None) or [type(self.hf_config).__name__])
+            raise ModelRefused(f"{arch}: its layers' sliding windows {seen} are not what its config says {want}; "
+                               "ferry cannot lay out its KV cache by window")
 
     def _kv_budget(self, config_dict: dict) -> int:
         if self.device.type != "cuda":
@@ -263,6 +295,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         block_ids: list[list[int]] = []
+        window_ids: list[list[int]] = []
         sample_states: list[RequestState] = []
         sample_idx: list[int] = []
         for state, num in [(d, 1) for d in decodes] + chunks:
@@ -274,6 +307,7 @@ class ModelRunner:
             query_lens.append(num)
             seq_lens.append(start + num)
             block_ids.append(state.block_ids)
+            window_ids.append(state.window_block_ids)
             if start + num == state.num_tokens:
                 sample_states.append(state)
                 sample_idx.append(len(ids) - 1)
@@ -289,8 +323,12 @@ class ModelRunner:
             input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
             pos_t = torch.from_numpy(positions).to(dev).unsqueeze(0)
             sample_t = torch.tensor(sample_idx, dtype=torch.long, device=dev)
+        window = None
+        if self.hybrid_kv is not None:  # the windowed layers' own tables and slots
+            wbatch, _ = build_paged_batch(query_lens, seq_lens, window_ids, self.block_size, self.max_model_len, dev)
+            window = WindowStep(frozenset(self.hybrid_kv.window_layers), self.attn_backend.prepare(wbatch), wbatch)
         step = StepAttention(self.attn_backend, self.attn_backend.prepare(batch), self.kv.caches,
-                             self.max_model_len, batch)
+                             self.max_model_len, batch, window)
         return PackedInputs(
             input_ids=input_ids,
             positions=pos_t,

@@ -132,6 +132,8 @@ def _serve(config: WorkerConfig, ctx: zmq.Context) -> int:
         pid=os.getpid(), kv_cache_bytes=runner.kv_cache_bytes, weight_bytes=runner.weight_bytes,
         dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device), num_threads=_torch_threads(),
         tensor_parallel_size=config.tensor_parallel_size,
+        window=runner.hybrid_kv.window if runner.hybrid_kv else 0,
+        num_window_blocks=runner.hybrid_kv.num_window_blocks if runner.hybrid_kv else 0,
     )))
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(config, ctx, stop), name="heartbeat", daemon=True)

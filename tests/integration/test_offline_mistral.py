@@ -26,3 +26,33 @@ def test_sliding_window_model_matches_transformers_past_its_window(tmp_path: Pat
     outs = llm.generate(prompts, GenerationParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(folder, prompts, 16)
     assert all(len(o.token_ids) == 16 for o in outs)
+
+
+def test_a_tight_window_pool_reuses_released_blocks_and_stays_exact(tmp_path: Path) -> None:
+    """Every layer windowed: the whole KV budget is the windowed pool (a hybrid cache), 32 blocks
+    of 4 here. Eight 60-80 token sequences need ~20 blocks each over their lives, so blocks
+    released behind one sequence's window are handed to another while the first still runs:
+    a read of a released block would change its answer."""
+    from services.scheduler.ledger import HybridLedger
+
+    torch.set_num_threads(1)
+    folder = build_tiny_model(tmp_path / "mistral", "llama", model_type="mistral", sliding_window=WINDOW)
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory=64 << 10, block_size=4, num_threads=1,
+              max_num_batched_tokens=16, long_prefill_token_threshold=8, max_num_seqs=4)
+    ledger = llm.scheduler.ledger
+    assert isinstance(ledger, HybridLedger) and ledger.windows.num_total_blocks == 32
+    handed: list[int] = []
+    allocate = ledger.windows.allocate
+
+    def count(req_id: str, num_tokens: int) -> list[int] | None:
+        ids = allocate(req_id, num_tokens)
+        handed.extend(ids or [])
+        return ids
+
+    ledger.windows.allocate = count  # type: ignore[method-assign]
+    prompts = [list(range(100 + 50 * i, 160 + 50 * i + 2 * i)) for i in range(8)]
+    outs = llm.generate(prompts, GenerationParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(folder, prompts, 16)
+    assert len(handed) > 3 * ledger.windows.num_total_blocks  # each block handed out several times
+    ledger.check_invariants()
+    assert ledger.windows.num_free_blocks == 32

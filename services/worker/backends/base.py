@@ -67,6 +67,15 @@ class AttentionBackend(ABC):
     _as_decodes: tuple[PagedBatch, torch.Tensor, torch.Tensor] | None = None  # forward_variant's, per step
 
     @property
+    def layer_windows(self) -> dict[int, int]:
+        """Each layer seen attending through a sliding window, and the window (the probe's forward
+        fills it; the runner checks a hybrid KV cache's layout against it)."""
+        windows: dict[int, int] | None = self.__dict__.get("_layer_windows")
+        if windows is None:
+            windows = self.__dict__["_layer_windows"] = {}
+        return windows
+
+    @property
     def variant_layers(self) -> set[int]:
         """Layers seen computing an attention variant that bites within max_model_len (the load-time
         probe's forward fills it): their steps depend on host-side lengths, so no decode graphs."""

@@ -52,6 +52,11 @@ def build_paged_batch(
     req_of_token = np.repeat(np.arange(num_reqs), q)
     positions = np.arange(num_tokens) - qsl[:-1][req_of_token] + (s - q)[req_of_token]
     slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
+    if num_tokens and int(slots.min()) < 0:
+        raise ValueError("a new token's KV slot is in a released block")
+    # a hybrid cache's windowed layers: blocks their window left behind are -1 (released) and
+    # never read (backends/variant.py); block 0 keeps every table entry a valid address
+    np.maximum(table, 0, out=table)
     batch = PagedBatch(
         num_reqs=num_reqs,
         num_decodes=num_decodes,

@@ -81,6 +81,15 @@ def attention_variant(kwargs: dict[str, Any], num_heads: int) -> AttentionVarian
 
 
 @dataclass(frozen=True)
+class WindowStep:
+    """A hybrid KV cache's windowed layers: their own block tables and slots for the step."""
+
+    layers: frozenset[int]
+    metadata: Any  # backend.prepare(batch)
+    batch: PagedBatch
+
+
+@dataclass(frozen=True)
 class StepAttention:
     """What every layer's attention needs for one step, built once per step."""
 
@@ -89,6 +98,7 @@ class StepAttention:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, bs, kv_heads, head_dim] x2
     max_model_len: int  # no sequence is longer; a sliding window at least this wide changes nothing
     batch: PagedBatch  # the step, for the layers with an attention variant (backends/variant.py)
+    window: WindowStep | None = None  # a hybrid KV cache: the windowed layers' tables
 
 
 def paged_attention(
@@ -110,17 +120,22 @@ def paged_attention(
     check_keywords(kwargs)
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     k_cache, v_cache = step.kv_caches[layer_idx]
+    batch, metadata = step.batch, step.metadata
+    if step.window is not None and layer_idx in step.window.layers:
+        batch, metadata = step.window.batch, step.window.metadata
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     variant = attention_variant(kwargs, query.shape[1])
     if variant is not None:
+        if variant.window is not None:
+            step.backend.layer_windows[layer_idx] = variant.window
         if not variant.plain_for(step.max_model_len):
             step.backend.variant_layers.add(layer_idx)  # decode graphs stay off (cuda/graphs.py)
             if query.is_cuda and torch.cuda.is_current_stream_capturing():
                 # a graph would replay this step's plain kernels at any length: never capture it
                 raise UnsupportedAttention(f"layer {layer_idx}'s attention variant cannot be captured in a graph")
-        if not variant.plain_for(step.batch.max_seq_len):
+        if not variant.plain_for(batch.max_seq_len):
             out = step.backend.forward_variant(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                               value[0].transpose(0, 1), k_cache, v_cache, step.batch, scale,
+                                               value[0].transpose(0, 1), k_cache, v_cache, batch, scale,
                                                variant)
             return out.unsqueeze(0), None
     out = step.backend.forward(
@@ -130,7 +145,7 @@ def paged_attention(
         value[0].transpose(0, 1),
         k_cache,
         v_cache,
-        step.metadata,
+        metadata,
         scale,
     )
     return out.unsqueeze(0), None  # [1, num_tokens, heads, head_dim], like eager after its transpose

@@ -68,6 +68,10 @@ class _Counting(AttentionBackend):
     def variant_layers(self) -> set[int]:
         return self.inner.variant_layers
 
+    @property
+    def layer_windows(self) -> dict[int, int]:
+        return self.inner.layer_windows
+
 
 def scratch_prompt(backend: AttentionBackend, n: int, kv_config: dict[str, Any], kv_dtype: torch.dtype,
                    block_size: int, max_model_len: int, device: torch.device,

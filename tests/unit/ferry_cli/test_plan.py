@@ -256,3 +256,27 @@ def test_int8_weights_equal_the_quantized_worker_model(kind: str, dtype: str, tm
     body = 30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536)
     channels = 30 * ((576 + 960) + (576 + 576) + (576 + 3072) + (1536 + 576))
     assert cap.int8_weight_bytes(smol, "bfloat16") == body + 4 * channels + 2 * (49152 * 576 + 61 * 576) == 163_875_456
+
+
+def test_a_windowed_model_counts_its_windowed_layers_by_their_window() -> None:
+    """Gemma-3's layout (five layers in six with a window of 1,024): the worker's hybrid KV cache
+    keeps a window's blocks for those, so many more long sequences fit than if every layer kept
+    every block; the row says how the budget splits."""
+    gemma3 = dict(LLAMA3_8B, model_type="gemma3_text", sliding_window=1024,
+                  layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(32)])
+    device = parse_device("cpu:8GiB")
+    opts = plan.PlanOptions(max_model_len=8192, dtype="bfloat16", concurrency=8)
+    plain = plan.plan_device(LLAMA3_8B, device, opts, None)
+    row = plan.plan_device(gemma3, device, opts, None)
+    h = row["hybrid_kv"]
+    assert h is not None and h["window"] == 1024 and h["window_layers"] == 27
+    assert plain["hybrid_kv"] is None
+    # per sequence at 8,192 tokens: 5 x 512 + 27 x 65 layer-blocks against 32 x 512, 3.8x fewer
+    assert row["max_concurrency_at_max_model_len"] >= 3 * plain["max_concurrency_at_max_model_len"] > 0
+    # by hand: bfloat16 block of 16 tokens, one layer: 2 x 16 x 8 x 128 x 2 bytes = 64 KiB
+    layer_block = 64 << 10
+    assert (h["global_blocks"] * 5 + h["window_blocks"] * 27) * layer_block <= row["kv_budget_bytes"]
+    at_max = min(h["global_blocks"] // 512, (h["window_blocks"] - 128) // 65)
+    assert row["max_concurrency_at_max_model_len"] == at_max
+    wide = plan.plan_device(dict(gemma3, sliding_window=8192), device, opts, None)  # window = max_model_len
+    assert wide["hybrid_kv"] is None
