@@ -70,3 +70,38 @@ def test_gemma3_shaped_model_is_token_exact_at_6k_tokens(tmp_path: Path) -> None
     assert out.logprobs is not None
     for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         assert abs(lp.sampled.logprob - float(logp[PROMPT - 1 + j, tok])) <= 1e-3, j
+
+
+def test_a_windowed_model_served_by_ferry_serve_uses_the_hybrid_cache(tmp_path: Path) -> None:
+    """The same through real processes: the worker reports its windowed pool in WorkerReady, the
+    scheduler service builds its hybrid ledger from it, and token-id prompts far past the window
+    come back as transformers' greedy tokens, several at once and twice over (released blocks
+    reused)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from tests.integration.conftest import ServeProcess
+    from tests.integration.test_offline_tiny import hf_greedy
+
+    folder = build_tiny_model(tmp_path / "mistral", "llama", model_type="mistral", sliding_window=24)
+    serve = ServeProcess(folder, tmp_path, ["--block-size", "16", "--max-num-batched-tokens", "32"]).start()
+    try:
+        serve.wait_ready()
+        assert "windowed layers:" in serve.log()  # the scheduler's hybrid ledger
+        prompts = [list(range(300 + 40 * i, 380 + 40 * i)) for i in range(4)]
+        tok = AutoTokenizer.from_pretrained(folder)
+        want = [tok.decode(ids) for ids in hf_greedy(folder, prompts, 12)]
+
+        def complete(prompt: list[int]) -> str:
+            r = httpx.post(f"{serve.base_url}/v1/completions", trust_env=False, timeout=120, json={
+                "model": str(folder), "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(2):  # together, twice: windowed blocks released and handed on
+                assert list(pool.map(complete, prompts)) == want
+    finally:
+        serve.kill()
