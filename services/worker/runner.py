@@ -25,7 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.capacity import gpu_kv_budget_bytes, hybrid_kv_blocks, kv_shape_from_config
+from shared.capacity import (
+    gpu_kv_budget_bytes,
+    hybrid_kv_blocks,
+    kv_shape_from_config,
+    window_blocks_per_sequence,
+)
 from shared.config import WorkerConfig
 from shared.grammar import load_tokenizer
 from shared.messages import StepPlan, StepResult
@@ -109,8 +114,14 @@ class ModelRunner:
         if self.hybrid_kv is not None:
             h = self.hybrid_kv
             self.num_kv_blocks = h.num_full_blocks
-            if h.num_window_blocks < 1 or h.num_full_blocks < 1:
-                raise ValueError(f"KV budget of {budget} bytes holds no block of {self.block_size} tokens")
+            one_step = window_blocks_per_sequence(h.window, self.block_size) + -(-config.max_num_batched_tokens
+                                                                                 // self.block_size)
+            if h.num_window_blocks < one_step or h.num_full_blocks < 1:
+                # a request whose window and chunk do not fit the windowed pool would wait forever
+                raise ValueError(f"KV budget of {budget} bytes is too small for this model's hybrid KV cache: its "
+                                 f"windowed layers need {one_step} blocks of {self.block_size} tokens for one "
+                                 f"sequence's window of {h.window} and one step of {config.max_num_batched_tokens} "
+                                 f"tokens; they get {h.num_window_blocks}")
             num_layers = kv_shape_from_config(kv_config)[0]
             layer_blocks = [h.num_window_blocks if i in h.window_layers else h.num_full_blocks
                             for i in range(num_layers)]

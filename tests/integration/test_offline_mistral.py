@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.engine.offline import LLM, GenerationParams
@@ -56,3 +57,15 @@ def test_a_tight_window_pool_reuses_released_blocks_and_stays_exact(tmp_path: Pa
     assert len(handed) > 3 * ledger.windows.num_total_blocks  # each block handed out several times
     ledger.check_invariants()
     assert ledger.windows.num_free_blocks == 32
+
+
+def test_a_budget_below_one_window_and_one_step_is_refused_at_its_edge(tmp_path: Path) -> None:
+    """A request whose window and chunk did not fit the windowed pool would wait forever: the
+    worker refuses such a budget by name. Window 24 in blocks of 4 (7 blocks) plus a 16-token
+    step (4 blocks): 11 blocks of 2 layers x 1 KiB, 22,528 bytes, and one byte less."""
+    folder = build_tiny_model(tmp_path / "mistral", "llama", model_type="mistral", sliding_window=WINDOW)
+    kwargs = dict(model=str(folder), dtype="float32", block_size=4, num_threads=1, max_num_batched_tokens=16)
+    llm = LLM(kv_cache_memory=22_528, **kwargs)  # type: ignore[arg-type]
+    assert llm.runner.hybrid_kv is not None and llm.runner.hybrid_kv.num_window_blocks == 11
+    with pytest.raises(ValueError, match="too small for this model's hybrid KV cache.*need 11 blocks.*get 10"):
+        LLM(kv_cache_memory=22_527, **kwargs)  # type: ignore[arg-type]
