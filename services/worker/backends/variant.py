@@ -11,16 +11,17 @@ transformers' attention modules pass them to the attention function as keywords
   ``sliding_window_overlay``), so ``window`` keys counting its own.
 
 Every backend computes a layer with a variant through ``variant_attention`` here (the backends'
-``forward(..., variant=...)``): its own kernel writes the step's keys and values into the
-cache, then this reads them back through each request's block table, from the first block its
-window can reach, and applies the variant in float32. Plain layers keep their backend's kernels;
+``forward_variant``): its own kernel writes the step's keys and values into the cache, then
+this reads them back through each request's block table, from the first block its window can
+reach, and applies the variant (products in the model's dtype, the softmax in float32, as
+eager attention; a window alone through PyTorch's fused attention with a mask). Plain layers keep their backend's kernels;
 a window at least as wide as the step's longest context is plain. Under ``--deterministic``
 the reference's ``invariant_attention`` takes the variant instead (one cache block at a time,
 the same for a token in any batch).
 
 Keys outside a window are never read: a block that every windowed layer has left behind may
-hold anything (the hybrid KV ledger can hand it to another request), and a masked score does
-not mask a NaN in its value.
+hold anything (the hybrid KV cache hands it to another request: scheduler/ledger.py's
+HybridLedger), and a masked score does not mask a NaN in its value.
 """
 
 from __future__ import annotations
