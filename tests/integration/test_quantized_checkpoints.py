@@ -122,7 +122,7 @@ def test_the_weights_are_the_checkpoints_not_the_unquantized_models(plain: Path,
     w_q = ref.model.layers[0].mlp.down_proj.weight
     w_0 = original.model.layers[0].mlp.down_proj.weight
     assert float((w_q - w_0).abs().max()) > 1e-3
-    llm = _llm(folder, enforce_eager=True)
+    llm = _llm(folder)
     x = torch.randn(2, w_q.shape[1], generator=torch.Generator().manual_seed(1))
     got = llm.runner.model.model.layers[0].mlp.down_proj(x)
     torch.testing.assert_close(got, x @ w_q.t(), rtol=1e-5, atol=1e-5)
